@@ -158,6 +158,7 @@ def moe_ffn_forward_torch(
     w_down: Tensor,
     activation: str,
     save_preact: bool,
+    plan: DispatchPlan | None = None,
 ) -> tuple[Tensor, Tensor, DispatchPlan]:
     """Returns (y [T, d] in x's dtype, preact [T*K, 2h] or [0], plan).
 
@@ -168,7 +169,8 @@ def moe_ffn_forward_torch(
     T, d = x.shape
     K = ids.shape[1]
     E, two_h, _ = w_gate_up.shape
-    plan = dispatch_reference(ids, E)
+    if plan is None:
+        plan = dispatch_reference(ids, E)
     tok_of_slot = plan.token_index.to(torch.int64) // K
     w_flat = weights.reshape(-1)
     acc = torch.promote_types(x.dtype, torch.float32)

@@ -1,0 +1,153 @@
+"""The pass pipeline: normalize -> find -> extract -> prove -> rewrite, one record per candidate."""
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from ..config import MoEBlazeConfig
+from ..report import RegionRecord
+from .extract import extract, idiom
+from .find import example_value, find_candidates, size_hint
+from .normalize import normalize
+from .prove import prove
+from .rewrite import rewrite
+
+__all__ = ["run_passes", "saved_bytes_after"]
+
+log = logging.getLogger("moeblaze_fx")
+ACTIVATION = "swiglu"
+
+
+def _source(node: fx.Node) -> str:
+    """``file:line`` of the innermost frame of a node's stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    for line in reversed(trace.strip().splitlines()):
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[6:].partition('", line ')
+            return f"{path}:{rest.split(',')[0]}"
+    return "<unknown>"
+
+
+def saved_bytes_after(T: int, d: int, h: int, E: int, K: int, itemsize: int, ids_itemsize: int,
+                      weights_itemsize: int, policy: str, block_m: int = 64) -> int:
+    """What the operator saves for backward (the formula in report.py's docstring)."""
+    n_pairs = T * K
+    tiles = n_pairs // block_m + E
+    total = T * d * itemsize + n_pairs * (ids_itemsize + weights_itemsize) + 4 * (E + 1 + 2 * n_pairs + 2 * tiles)
+    if policy == "activations":
+        total += n_pairs * 2 * h * itemsize
+    return total
+
+
+def _policy(cfg: MoEBlazeConfig, T: int, K: int, h: int, itemsize: int) -> str:
+    if cfg.checkpoint != "auto":
+        return cfg.checkpoint
+    return "recompute" if T * K * 2 * h * itemsize > cfg.memory_budget else "activations"
+
+
+def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A new GraphModule over the same module (parameters are shared, not copied)."""
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    work = fx.GraphModule(gm, graph)
+    work.meta.update(getattr(gm, "meta", {}))
+    return work, val_map
+
+
+def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
+               cfg: MoEBlazeConfig) -> tuple[fx.GraphModule, list[RegionRecord]]:
+    """Rewrite every proven MoE region. Returns the graph to compile (``gm`` itself when nothing was
+    rewritten) and one record per candidate. Never raises: an internal error leaves ``gm`` as it was."""
+    try:
+        return _run(gm, example_inputs, cfg)
+    except Exception as exc:  # the user's compile must go on with their graph unchanged
+        log.warning("moeblaze: internal error, graph left unchanged: %s", exc)
+        log.debug("%s", traceback.format_exc())
+        record = RegionRecord(status="skipped", source="<graph>", idiom="-",
+                              reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}")
+        counters["moeblaze"]["skipped"] += 1
+        return gm, [record]
+
+
+def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
+         cfg: MoEBlazeConfig) -> tuple[fx.GraphModule, list[RegionRecord]]:
+    work, val_map = _copy(gm)
+    normalize(work)
+    placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
+    real: dict[fx.Node, Any] = dict(zip(placeholders, example_inputs))
+    name_of: dict[fx.Node, str] = {}
+    params: set[fx.Node] = set()
+    for node in work.graph.nodes:
+        if node.op == "placeholder" and isinstance(real.get(node), torch.nn.Parameter):
+            params.add(node)
+            name_of[node] = str(node.target)
+        elif node.op == "get_attr":
+            try:
+                value = work.get_parameter(str(node.target))
+            except AttributeError:
+                continue  # a buffer or constant, not an expert parameter
+            if isinstance(value, torch.nn.Parameter):
+                params.add(node)
+                real[node] = value
+                name_of[node] = str(node.target)
+
+    records: list[RegionRecord] = []
+    rewritten = 0
+    for cand in find_candidates(work, params):
+        source = _source(cand.output if cand.output is not None else cand.topk)
+        record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
+        records.append(record)
+        if cand.reason:
+            record.reason = cand.reason
+            counters["moeblaze"]["skipped"] += 1
+            continue
+        ext = extract(cand, params, name_of)
+        if isinstance(ext, str):
+            record.reason = ext
+            counters["moeblaze"]["skipped"] += 1
+            continue
+        record.T = ext.T if isinstance(ext.T, int) else str(ext.T)
+        record.d, record.E, record.K, record.dtype = ext.d, ext.E, ext.K, str(ext.dtype).replace("torch.", "")
+        record.h = ext.h if ext.h > 0 else None
+        if cfg.verify:
+            proof = prove(work, cand, ext, real, ACTIVATION)
+            record.saved_bytes_before = proof.saved_bytes_before
+            if proof.layout is None:
+                record.reason = proof.reason
+                counters["moeblaze"]["skipped"] += 1
+                continue
+            layout = proof.layout
+            grads = max(proof.gradient_errors.values(), default=0.0)
+            record.check = f"numerical, forward rel. error {proof.forward_error:.1e}, gradients {grads:.1e}"
+        else:
+            layout = ext.layouts[0]
+            ext.h = int(ext.roles[layout.down].shape[1 if layout.down_t else 2])
+            record.check = "shapes only (verify=False)"
+        record.h = ext.h
+        record.layout = layout.describe(ext.roles, ext.role_names)
+        itemsize = torch.empty((), dtype=ext.dtype).element_size()
+        t_hint = size_hint(ext.T)
+        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize)
+        rewrite(work, cand, ext, layout, ACTIVATION, policy)
+        record.status, record.policy = "rewritten", policy
+        record.saved_bytes_after = saved_bytes_after(
+            t_hint, ext.d, ext.h, ext.E, ext.K, itemsize, example_value(ext.ids).element_size(),
+            example_value(ext.weights).element_size(), policy,
+        )
+        counters["moeblaze"]["rewritten"] += 1
+        rewritten += 1
+    if not rewritten:
+        return gm, records
+    work.graph.lint()
+    work.recompile()
+    return work, records
+
+

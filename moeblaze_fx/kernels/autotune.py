@@ -1,0 +1,164 @@
+"""Launch configurations of the expert kernels: one factory, one escape hatch.
+
+Every expert kernel belongs to one *kind*; :func:`kernel_configs` is the single place that lists the
+candidate configurations of each kind, and :func:`launch` is the single place that picks one:
+
+* ``MOEBLAZE_KERNEL_CONFIG`` set (CI, debugging, the Triton interpreter): that one configuration for
+  every kernel, no benchmarking. Format ``"block_m=16,block_n=16,block_k=16,num_warps=4,num_stages=1"``
+  (missing keys keep the defaults of :class:`KernelConfig`).
+* under ``TRITON_INTERPRET=1`` without a pin: :data:`INTERPRETER_CONFIG` (tiny tiles, no benchmarking).
+* otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes.
+
+Kinds, and what ``block_m/n/k`` mean for each:
+
+``up``           up projection (forward) over the plan's row tiles: rows x (h columns, gate and up each) x d
+``dh``           backward dH' (+ saved A|B) over row tiles: rows x h x d
+``dh_recompute`` the same kernel recomputing A|B: three accumulators, so a narrower tile
+``down``         row-tile GEMM (forward down projection, backward dX): rows x d x (h or 2h)
+``dw``           per-expert weight gradient, contraction over the expert's slots: out rows x out cols x slots
+
+The row-tile kinds take ``BLOCK_M`` from the dispatch plan (:func:`plan_block_m`), never from a config:
+the plan's ``tile_expert``/``tile_start`` are built for one tile height.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import triton
+
+__all__ = [
+    "ENV_VAR",
+    "KernelConfig",
+    "INTERPRETER_CONFIG",
+    "DEFAULT_BLOCK_M",
+    "interpreting",
+    "pinned_config",
+    "plan_block_m",
+    "kernel_configs",
+    "dweights_chunk",
+    "tuned",
+    "launch",
+]
+
+ENV_VAR = "MOEBLAZE_KERNEL_CONFIG"
+# Tile height of the dispatch plan on the GPU: 128 rows feed the H100's wgmma at full width.
+DEFAULT_BLOCK_M = 128
+# Every tuned config of the `dh` kinds has block_n a multiple of this (asserted in kernel_configs);
+# the routing-weight gradient is reduced in chunks of this many hidden columns.
+_DWEIGHTS_CHUNK = 64
+
+_TILE_KINDS = ("up", "dh", "dh_recompute", "down")
+KINDS = _TILE_KINDS + ("dw",)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int = DEFAULT_BLOCK_M
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+    def meta(self, kind: str) -> dict[str, int]:
+        """The constexpr meta-parameters this config sets for kernels of ``kind``."""
+        if kind in _TILE_KINDS:  # BLOCK_M comes from the plan
+            return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
+        if kind == "dw":
+            return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
+        raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
+
+    def to_triton(self, kind: str) -> triton.Config:
+        return triton.Config(self.meta(kind), num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pinned_config() -> KernelConfig | None:
+    """The configuration pinned by ``MOEBLAZE_KERNEL_CONFIG``, read at every call (so tests can set it)."""
+    spec = os.environ.get(ENV_VAR, "").strip()
+    if not spec:
+        return None
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    values: dict[str, int] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise ValueError(f"{ENV_VAR}={spec!r}: expected comma-separated key=value with keys from {sorted(fields)}")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_VAR}={spec!r}: {key} must be an integer, got {value!r}") from None
+    cfg = KernelConfig(**values)
+    for name in ("block_m", "block_n", "block_k"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{ENV_VAR}={spec!r}: {name} must be a power of two >= 16, got {v}")
+    return cfg
+
+
+def _fixed_config() -> KernelConfig | None:
+    cfg = pinned_config()
+    if cfg is None and interpreting():
+        cfg = INTERPRETER_CONFIG
+    return cfg
+
+
+def plan_block_m() -> int:
+    """Tile height the dispatch plan must be built with: ``dispatch(ids, E, block_m=plan_block_m())``."""
+    cfg = _fixed_config()
+    return cfg.block_m if cfg is not None else DEFAULT_BLOCK_M
+
+
+def dweights_chunk() -> int:
+    """Hidden columns per partial sum of the routing-weight gradient (divides every dh block_n in use)."""
+    cfg = _fixed_config()
+    return cfg.block_n if cfg is not None else _DWEIGHTS_CHUNK
+
+
+def kernel_configs(kind: str) -> list[KernelConfig]:
+    """The autotuning candidates of one kernel kind (H100/H200, 16-bit operands). Kept short: every
+    candidate costs a compile and a benchmark per new key."""
+    if kind == "up":  # two accumulators (gate, up) of block_m x block_n
+        cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
+    elif kind == "dh":  # one accumulator, then an epilogue holding dH', A, B
+        cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
+    elif kind == "dh_recompute":  # three accumulators: dH', A, B
+        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=64, block_k=32, num_warps=4, num_stages=4)]
+    elif kind == "down":
+        cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
+    elif kind == "dw":
+        cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)]
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
+    if kind in ("dh", "dh_recompute"):
+        assert all(c.block_n % _DWEIGHTS_CHUNK == 0 for c in cfgs)
+    return cfgs
+
+
+def tuned(kernel, kind: str, key: list[str]):
+    """``kernel`` (a heuristics/jit kernel) wrapped in ``triton.autotune`` over the kind's candidates."""
+    return triton.autotune(configs=[c.to_triton(kind) for c in kernel_configs(kind)], key=key)(kernel)
+
+
+def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
+    """Launch with the pinned / interpreter configuration when there is one, else through the autotuner.
+
+    ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
+    cfg = _fixed_config()
+    if cfg is None:
+        return tuned_kernel[grid](*args, **constexprs)
+    return kernel[grid](*args, **constexprs, **cfg.meta(kind), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,363 @@
+"""Lock-free token dispatch: the :class:`DispatchPlan` of ``dispatch_reference``, bit for bit, in three
+Triton launches, with no atomics, no global sort and no host synchronisation.
+
+Notation: ``N = T*K`` pairs, pair ``p = t*K + k``; the pairs are cut into ``nc = cdiv(N, C)`` chunks of
+``C`` consecutive pairs (one program each); ``E`` experts; *bin* ``E`` collects the unrouted pairs
+(ids outside ``[0, E)``), which the plan puts after every routed slot, in ascending ``p``.
+
+Data flow (forward only; dispatch has no backward, its outputs are integer indices)::
+
+    ids [T, K] int32|int64 (any strides)
+      |  1. _dispatch_histogram_kernel   grid (nc,)
+      |     chunk c: counts[c, e] = #{p in chunk c : ids[p] == e}          (tl.histogram in registers)
+      v
+    chunk_base [nc, E] int32 (holding the counts)
+      |  2. _dispatch_scan_kernel        grid (cdiv(E, SCAN_BLOCK_E),)
+      |     per expert column, in place: chunk_base[c, e] = sum_{c' < c} counts[c', e];
+      |     totals[e] = sum_c counts[c, e]
+      v
+    chunk_base [nc, E], totals [E] int32
+      |  3. _dispatch_scatter_kernel     grid (nt + nc,)
+      |     programs [0, nt): row-tile metadata from totals (searchsorted over cumsum(cdiv(totals, block_m)));
+      |     programs [nt, nt + nc), chunk c:
+      |       offsets = excl_cumsum(totals) (program of chunk 0 also stores them),
+      |       start[e] = offsets[e] + chunk_base[c, e]  (first slot of chunk c's pairs of expert e),
+      |       start[E] = offsets[E] + unrouted pairs in chunks < c,
+      |       rank of each pair among the chunk's pairs of its bin (stable), slot = start[bin] + rank,
+      |       token_index[slot] = p, slot_of[p] = slot (or -1 when unrouted)
+      v
+    offsets [E+1], token_index [N], slot_of [N], tile_expert [n_tiles], tile_start [n_tiles]   (int32)
+
+The stable rank inside a chunk takes one of two paths (``DispatchConfig.path``):
+
+* ``"sort"``: key = bin * C + local index, sorted in registers (``tl.sort``, a bitonic network over
+  one chunk; keys are unique so the order is total and deterministic). The pair at sorted position j
+  of bin b has rank ``j - #{chunk pairs in bins < b}`` (from ``tl.histogram`` of the chunk), so
+  ``slot = (start - excl_cumsum(chunk histogram))[b] + j`` through one ``tl.gather``.
+* ``"dense"`` (few experts): a one-hot [SUB, bins] block and a cumsum along the pairs, SUB pairs at a
+  time with a running count per bin: the paper's dense map, but only a register tile of it.
+
+Nothing is saved (no backward). Memory: the outputs (``2*N + E + 1 + 2*n_tiles`` int32) plus
+``(nc + 1) * E`` int32 of scratch, ``nc = cdiv(N, C)``: O(T*K + E*chunks), never a T x E map.
+Determinism: every value is a function of the ids alone (integer counts, fixed-order scans, unique
+sort keys, each output element written by exactly one program); no global atomics anywhere.
+``tl.histogram`` counts within one program (its lowering may use shared-memory increments; integer
+counts do not depend on their order).
+
+Floor (H100, ~3.0 TB/s read+write): ids read once (8*N bytes for int64) plus token_index and slot_of
+written once (8*N bytes): T=1M, K=8 -> 128 MB -> ~43 us. This design reads the ids twice (launches 1
+and 3): ~64 MB more, ~64 us of traffic, so ~0.1 ms at 1M x 8 when the in-register sort keeps up.
+
+``MOEBLAZE_DISPATCH_CONFIG="path,chunk,num_warps"`` (e.g. ``"sort,2048,8"``) pins one configuration,
+for CI and for debugging.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import DispatchPlan, dispatch_reference, max_tiles
+
+__all__ = ["DispatchConfig", "dispatch", "dispatch_forward", "default_config", "MAX_EXPERTS"]
+
+# Kernels were decorated in interpreter mode iff the variable was set at import (Triton decides then).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# The per-program tables (offsets, starts, tl.histogram bins) live in registers: next_pow2(E + 1) of
+# them. 1024 experts (2048 bins) covers every published MoE; above it use dispatch_reference.
+MAX_EXPERTS = 1024
+# Pair indices are int32 (the plan's dtype) and a program computes c * C + local in int32.
+_MAX_PAIRS = 2**31 - 2**16
+_DENSE_MAX_BINS = 16  # one-hot tile [SUB, bins]: cheaper than the sort up to about this many bins
+_SCAN_BLOCK_E = 8  # 8 experts x 4 B = one 32 B sector per chunk row: coalesced, and E/8 programs
+
+
+class DispatchConfig(NamedTuple):
+    path: str  # "sort" or "dense"
+    chunk: int  # pairs per program (power of two)
+    num_warps: int
+    scan_block_c: int = 512  # chunk rows per step of the column scan (power of two)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k):
+    """Bin of each pair p (its expert, or E when the id is outside [0, E)) and whether it is routed."""
+    t = p // K
+    k = p - t * K
+    x = tl.load(ids_ptr + t.to(tl.int64) * stride_ids_t + k.to(tl.int64) * stride_ids_k, mask=live, other=0)
+    routed = live & (x >= 0) & (x < E)
+    b = tl.where(routed, x, E).to(tl.int32)
+    return b, routed
+
+
+@triton.jit
+def _dispatch_histogram_kernel(
+    ids_ptr,  # [T, K] int32 | int64
+    counts_ptr,  # [nc, E] int32, out: routed pairs of chunk c per expert
+    N,  # T * K
+    K,
+    E,
+    stride_ids_t,
+    stride_ids_k,
+    stride_counts_c,
+    CHUNK: tl.constexpr,  # C, pairs per program
+    HIST_BINS: tl.constexpr,  # power of two >= max(E, 32)
+):
+    """grid (nc,): program c counts the pairs [c*C, (c+1)*C) per expert."""
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    live = p < N
+    b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
+    counts = tl.histogram(tl.where(routed, b, 0), HIST_BINS, mask=routed)
+    e = tl.arange(0, HIST_BINS)
+    tl.store(counts_ptr + c.to(tl.int64) * stride_counts_c + e, counts, mask=e < E)
+
+
+@triton.jit
+def _dispatch_scan_kernel(
+    chunk_base_ptr,  # [nc, E] int32, in: counts; out: sum over earlier chunks (exclusive prefix)
+    totals_ptr,  # [E] int32, out: routed pairs per expert
+    num_chunks,
+    E,
+    stride_base_c,
+    BLOCK_C: tl.constexpr,  # chunk rows per step
+    BLOCK_E: tl.constexpr,  # expert columns per program
+):
+    """grid (cdiv(E, BLOCK_E),): program i scans expert columns [i*BLOCK_E, (i+1)*BLOCK_E) over chunks."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = e < E
+    carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = (c < num_chunks)[:, None] & e_mask[None, :]
+        ptrs = chunk_base_ptr + c.to(tl.int64)[:, None] * stride_base_c + e[None, :]
+        counts = tl.load(ptrs, mask=mask, other=0)
+        inclusive = tl.cumsum(counts, axis=0)
+        tl.store(ptrs, carry[None, :] + inclusive - counts, mask=mask)
+        carry += tl.sum(counts, axis=0)
+    tl.store(totals_ptr + e, carry, mask=e_mask)
+
+
+@triton.jit
+def _dispatch_scatter_kernel(
+    ids_ptr,  # [T, K] int32 | int64
+    chunk_base_ptr,  # [nc, E] int32: slots of expert e taken by chunks before c (from the scan)
+    totals_ptr,  # [E] int32: routed pairs per expert
+    offsets_ptr,  # [E+1] int32, out
+    token_index_ptr,  # [N] int32, out: pair of each slot
+    slot_of_ptr,  # [N] int32, out: slot of each pair, -1 when unrouted
+    tile_expert_ptr,  # [n_tiles] int32, out: expert of each row tile, -1 past the last
+    tile_start_ptr,  # [n_tiles] int32, out: first slot of each row tile, offsets[E] past the last
+    N,
+    K,
+    E,
+    num_tile_programs,  # nt
+    n_tiles,
+    block_m,
+    stride_ids_t,
+    stride_ids_k,
+    stride_base_c,
+    CHUNK: tl.constexpr,  # C, pairs per chunk program
+    BINS: tl.constexpr,  # power of two >= E + 1 (bin E = unrouted); >= 32 on the sort path
+    DENSE: tl.constexpr,  # rank through a one-hot tile instead of the sort
+    SUB: tl.constexpr,  # dense path: pairs per one-hot tile
+    TILE_BLOCK: tl.constexpr,  # row tiles per step of a tile program
+    TILES_PER_PROGRAM: tl.constexpr,
+):
+    """grid (nt + nc,): programs [0, nt) write TILES_PER_PROGRAM row tiles each; program nt + c
+    ranks and scatters chunk c. The tile programs come first so they overlap the chunk programs."""
+    pid = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    totals = tl.load(totals_ptr + bins, mask=bins < E, other=0)
+    offsets = tl.cumsum(totals, axis=0) - totals  # offsets[b] for b >= E: the routed total
+    routed_total = tl.sum(totals, axis=0)
+    if pid < num_tile_programs:
+        # Tile t belongs to the expert e with first_tile[e] <= t < first_tile[e] + tiles[e].
+        tiles = (totals + block_m - 1) // block_m
+        tiles_inclusive = tl.cumsum(tiles, axis=0)
+        tiles_exclusive = tiles_inclusive - tiles
+        for t0 in range(0, TILES_PER_PROGRAM, TILE_BLOCK):
+            t = pid * TILES_PER_PROGRAM + t0 + tl.arange(0, TILE_BLOCK)
+            expert = tl.sum((tiles_inclusive[None, :] <= t[:, None]).to(tl.int32), axis=1)  # BINS past the end
+            used = expert < E
+            e_idx = tl.minimum(expert, E)
+            start = tl.gather(offsets, e_idx, 0) + (t - tl.gather(tiles_exclusive, e_idx, 0)) * block_m
+            t_mask = t < n_tiles
+            tl.store(tile_expert_ptr + t, tl.where(used, expert, -1), mask=t_mask)
+            tl.store(tile_start_ptr + t, tl.where(used, start, routed_total), mask=t_mask)
+    else:
+        c = pid - num_tile_programs
+        if c == 0:
+            tl.store(offsets_ptr + bins, offsets, mask=bins <= E)
+        base = tl.load(chunk_base_ptr + c.to(tl.int64) * stride_base_c + bins, mask=bins < E, other=0)
+        unrouted_before = c * CHUNK - tl.sum(base, axis=0)  # every chunk before c is full
+        start = tl.where(bins < E, offsets + base, routed_total + unrouted_before)  # only bin E used past E
+        if DENSE:
+            running = start
+            for s in range(0, CHUNK, SUB):
+                p = c * CHUNK + s + tl.arange(0, SUB)
+                live = p < N
+                b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
+                hit = (b[:, None] == bins[None, :]) & live[:, None]  # [SUB, BINS]
+                hit_i = hit.to(tl.int32)
+                slot = tl.sum(tl.where(hit, running[None, :] + tl.cumsum(hit_i, axis=0) - 1, 0), axis=1)
+                running += tl.sum(hit_i, axis=0)
+                tl.store(slot_of_ptr + p, tl.where(routed, slot, -1), mask=live)
+                tl.store(token_index_ptr + slot, p, mask=live)
+        else:
+            j = tl.arange(0, CHUNK)
+            p = c * CHUNK + j
+            live = p < N
+            b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
+            counts = tl.histogram(tl.where(live, b, 0), BINS, mask=live)
+            # slot of sorted position j in bin b = start[b] + (j - #{chunk pairs in bins < b})
+            rank_base = start - (tl.cumsum(counts, axis=0) - counts)
+            key = tl.where(live, b, E + 1) * CHUNK + j  # padding lanes sort last (bin E + 1)
+            key = tl.sort(key)
+            sorted_bin = key // CHUNK
+            sorted_p = c * CHUNK + (key - sorted_bin * CHUNK)
+            sorted_live = sorted_bin <= E
+            slot = tl.gather(rank_base, tl.minimum(sorted_bin, E), 0) + j
+            tl.store(token_index_ptr + slot, sorted_p, mask=sorted_live)
+            tl.store(slot_of_ptr + sorted_p, tl.where(sorted_bin < E, slot, -1), mask=sorted_live)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+def _check_args(ids: Tensor, num_experts: int, block_m: int) -> None:
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"ids must be a torch.Tensor of expert ids [T, K], got {type(ids).__name__}")
+    if ids.dim() != 2:
+        raise ValueError(
+            f"ids must be a 2-D [T, K] tensor of expert ids (one row per token), got shape {tuple(ids.shape)}; "
+            "reshape the router's top-k indices to [num_tokens, top_k]"
+        )
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be int32 or int64, got {ids.dtype}; convert with ids.to(torch.int64)")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts must be a Python int, got {type(num_experts).__name__}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a positive power of two (e.g. 64), got {block_m!r}")
+
+
+def _config_from_env(value: str) -> DispatchConfig:
+    try:
+        path, chunk, num_warps = (s.strip() for s in value.split(","))
+        config = DispatchConfig(path, int(chunk), int(num_warps))
+    except ValueError:
+        raise ValueError(
+            f"MOEBLAZE_DISPATCH_CONFIG={value!r}: expected 'path,chunk,num_warps', e.g. 'sort,2048,8'"
+        ) from None
+    return config
+
+
+def default_config(num_pairs: int, num_experts: int) -> DispatchConfig:
+    """The configuration ``dispatch`` uses; ``MOEBLAZE_DISPATCH_CONFIG`` overrides it."""
+    pinned = os.environ.get("MOEBLAZE_DISPATCH_CONFIG")
+    if pinned:
+        return _config_from_env(pinned)
+    bins = triton.next_power_of_2(num_experts + 1)
+    if bins <= _DENSE_MAX_BINS:
+        chunk = min(max(triton.next_power_of_2(triton.cdiv(num_pairs, 264)), 1024), 8192)
+        return DispatchConfig("dense", chunk, 4)
+    # About two chunks per SM (132 on H100/H200), but chunks of 512..4096 pairs.
+    chunk = min(max(triton.next_power_of_2(triton.cdiv(num_pairs, 264)), 512), 4096)
+    return DispatchConfig("sort", chunk, 4 if chunk <= 1024 else 8)
+
+
+def _validate_config(config: DispatchConfig) -> None:
+    if config.path not in ("sort", "dense"):
+        raise ValueError(f"dispatch config path must be 'sort' or 'dense', got {config.path!r}")
+    for name in ("chunk", "num_warps", "scan_block_c"):
+        v = getattr(config, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"dispatch config {name} must be a positive power of two, got {v}")
+
+
+def dispatch_forward(
+    ids: Tensor, num_experts: int, block_m: int = 64, config: DispatchConfig | None = None
+) -> DispatchPlan:
+    """Host launcher: allocate, size the grids from shapes (never from data) and launch the 3 kernels."""
+    _check_args(ids, num_experts, block_m)
+    E = num_experts
+    if E > MAX_EXPERTS:
+        raise ValueError(
+            f"the Triton dispatch supports num_experts <= {MAX_EXPERTS}, got {E}; "
+            "use moeblaze_fx.kernels.reference.dispatch_reference for more experts"
+        )
+    T, K = ids.shape
+    N = T * K
+    if N > _MAX_PAIRS:
+        raise ValueError(f"T*K = {N} pairs does not fit the int32 plan (at most {_MAX_PAIRS}); split the batch")
+    device = ids.device
+    i32 = torch.int32
+    n_tiles = max_tiles(N, E, block_m)
+    token_index = torch.empty(N, dtype=i32, device=device)
+    slot_of = torch.empty(N, dtype=i32, device=device)
+    if N == 0:
+        # Nothing routed: every offset is 0, every tile is padding. No launch.
+        offsets = torch.zeros(E + 1, dtype=i32, device=device)
+        tile_expert = torch.full((n_tiles,), -1, dtype=i32, device=device)
+        tile_start = torch.zeros(n_tiles, dtype=i32, device=device)
+        return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
+
+    config = config or default_config(N, E)
+    _validate_config(config)
+    chunk = config.chunk
+    dense = config.path == "dense"
+    bins = triton.next_power_of_2(E + 1)
+    if not dense:
+        bins = max(bins, 32)  # tl.histogram spreads its bins over a warp's lanes
+    num_chunks = triton.cdiv(N, chunk)
+    offsets = torch.empty(E + 1, dtype=i32, device=device)
+    tile_expert = torch.empty(n_tiles, dtype=i32, device=device)
+    tile_start = torch.empty(n_tiles, dtype=i32, device=device)
+    scratch = torch.empty((num_chunks + 1) * E, dtype=i32, device=device)
+    chunk_base = scratch[: num_chunks * E].view(num_chunks, E)
+    totals = scratch[num_chunks * E :]
+
+    _dispatch_histogram_kernel[(num_chunks,)](
+        ids, chunk_base, N, K, E, ids.stride(0), ids.stride(1), chunk_base.stride(0),
+        CHUNK=chunk, HIST_BINS=max(triton.next_power_of_2(E), 32), num_warps=config.num_warps,
+    )
+    _dispatch_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
+        chunk_base, totals, num_chunks, E, chunk_base.stride(0),
+        BLOCK_C=config.scan_block_c, BLOCK_E=_SCAN_BLOCK_E, num_warps=4,
+    )
+    # One [TILE_BLOCK, BINS] comparison block of about 8K elements per step.
+    tile_block = max(8192 // bins, 16)
+    tiles_per_program = 4 * tile_block
+    num_tile_programs = triton.cdiv(n_tiles, tiles_per_program)
+    _dispatch_scatter_kernel[(num_tile_programs + num_chunks,)](
+        ids, chunk_base, totals, offsets, token_index, slot_of, tile_expert, tile_start,
+        N, K, E, num_tile_programs, n_tiles, block_m,
+        ids.stride(0), ids.stride(1), chunk_base.stride(0),
+        CHUNK=chunk, BINS=bins, DENSE=dense, SUB=max(min(4096 // bins, chunk), 1),
+        TILE_BLOCK=tile_block, TILES_PER_PROGRAM=tiles_per_program, num_warps=config.num_warps,
+    )  # fmt: skip
+    return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
+
+
+def dispatch(ids: Tensor, num_experts: int, block_m: int = 64) -> DispatchPlan:
+    """Build the dispatch plan of ``ids [T, K]`` (int32 or int64) for ``num_experts`` experts.
+
+    Bitwise equal to :func:`~moeblaze_fx.kernels.reference.dispatch_reference`. Runs the Triton kernels
+    when ``ids`` is on a CUDA device (or when Triton's interpreter was on at import,
+    ``TRITON_INTERPRET=1``); otherwise runs the reference. No host synchronisation: capturable in a
+    CUDA graph.
+    """
+    _check_args(ids, num_experts, block_m)
+    if ids.is_cuda or _INTERPRETED:
+        return dispatch_forward(ids, num_experts, block_m)
+    return dispatch_reference(ids, num_experts, block_m)

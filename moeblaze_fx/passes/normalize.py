@@ -1,0 +1,199 @@
+"""Step 1: bring the many torch-level spellings of an MoE block to one vocabulary.
+
+Two things happen here, both driven by the tables below (a new spelling is a new table row):
+
+* **Roles.** Every node gets ``node.meta["moeblaze_role"]``: what it means for MoE analysis
+  (``"topk"``, ``"dispatch"``, ``"grouped_mm"``, ``"matmul"``, ``"combine"``, ``"assert"``, or
+  ``None``), whatever its spelling: a function, a method, an aten overload or a library's custom op.
+* **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
+  ``inv[perm] = arange``, ``w /= s``) become their out-of-place forms, and later readers of the
+  mutated tensor read the new value instead. Data flow is then visible in the def-use edges, which
+  is what ``find`` walks. A mutation of a graph input or of a tensor with live views is left as is
+  (the region around it will then not be found, and is left alone).
+
+The rewrite preserves the function exactly: a functional update followed by rewired readers
+computes what the in-place update did.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+__all__ = ["canonical_name", "role", "normalize", "functional_setitem", "ROLE_OF", "ASSERT_NAMES"]
+
+# --- the vocabulary --------------------------------------------------------------------------
+ROLE_OF: dict[str, str] = {
+    # routing
+    "topk": "topk",
+    # dispatch: turning ids into per-expert token lists or counts
+    "sort": "dispatch",
+    "argsort": "dispatch",
+    "histc": "dispatch",
+    "bincount": "dispatch",
+    "one_hot": "dispatch",
+    "nonzero": "dispatch",
+    "repeat_interleave": "dispatch",
+    # expert matrix products
+    "_grouped_mm": "grouped_mm",
+    "grouped_mm": "grouped_mm",
+    "transformers::grouped_mm_fallback": "grouped_mm",
+    "bmm": "matmul",
+    "baddbmm": "matmul",
+    "matmul": "matmul",
+    "mm": "matmul",
+    "linear": "matmul",
+    "einsum": "matmul",
+    # combining expert outputs back into token order
+    "index_add": "combine",
+    "scatter_add": "combine",
+    "index_put": "combine",
+    "functional_setitem": "combine",
+}
+ASSERT_NAMES = frozenset(
+    {"_assert_scalar", "_assert_async", "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size"}
+)
+
+# In-place spelling -> out-of-place target (method names are looked up on torch.Tensor).
+_INPLACE_METHODS = {
+    "index_add_": "index_add",
+    "scatter_add_": "scatter_add",
+    "index_put_": "index_put",
+    "index_copy_": "index_copy",
+    "masked_fill_": "masked_fill",
+    "scatter_": "scatter",
+    "add_": "add",
+    "sub_": "sub",
+    "mul_": "mul",
+    "div_": "div",
+}
+_INPLACE_OPERATORS = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}
+# Ops whose result is (or may be) a view of their first argument.
+_VIEW_NAMES = frozenset(
+    {"view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "chunk", "split", "narrow",
+     "select", "flatten", "unflatten", "view_as", "as_strided", "unbind", "movedim", "swapaxes", "diagonal", "T",
+     "contiguous", "detach", "alias"}
+)
+
+
+def functional_setitem(base: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """Out-of-place ``base[index] = value``."""
+    out = base.clone()
+    out[index] = value
+    return out
+
+
+def canonical_name(node: fx.Node) -> str:
+    """The spelling-independent name of what a node calls: ``torch.topk``, ``x.topk`` and
+    ``aten.topk.default`` are all ``"topk"``; a library's custom op keeps its namespace."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if node.op != "call_function":
+        return node.op
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        ns, name = target._qualified_op_name.split("::")
+        return name if ns == "aten" else f"{ns}::{name}"
+    return getattr(target, "__name__", str(target))
+
+
+def _example(node: Any) -> Any:
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def role(node: fx.Node) -> Optional[str]:
+    return node.meta.get("moeblaze_role")
+
+
+def _role_of(node: fx.Node) -> Optional[str]:
+    name = canonical_name(node)
+    if name in ASSERT_NAMES:
+        return "assert"
+    if name == "where" and len(node.args) + len(node.kwargs) == 1:
+        return "dispatch"  # torch.where(cond) is nonzero
+    return ROLE_OF.get(name)
+
+
+def _is_fresh(node: fx.Node) -> bool:
+    """True when the tensor a node produces shares storage with nothing else in the graph."""
+    if node.op not in ("call_function", "call_method"):
+        return False  # graph inputs, parameters: mutating them is visible to the caller
+    name = canonical_name(node)
+    if name in _VIEW_NAMES:
+        return False
+    if name == "getitem":
+        container = _example(node.args[0])
+        if isinstance(container, (tuple, list)):
+            return True  # an element of an op's tuple output (topk values, sort indices, ...)
+        index = node.args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        # advanced indexing with a tensor copies; basic indexing returns a view
+        return any(isinstance(_example(i), torch.Tensor) for i in index)
+    return isinstance(_example(node), torch.Tensor)
+
+
+def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
+    """(out-of-place target, call kind) when ``node`` updates its first argument in place."""
+    if node.op == "call_method" and node.target in _INPLACE_METHODS:
+        return _INPLACE_METHODS[node.target], "call_method"
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        if isinstance(_example(node.args[0]), torch.Tensor):
+            return _INPLACE_OPERATORS[node.target], "call_function"
+    if node.op == "call_function" and node.target is operator.setitem:
+        if isinstance(_example(node.args[0]), torch.Tensor):
+            return functional_setitem, "call_function"
+    return None
+
+
+def _functionalize(graph: fx.Graph) -> int:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = 0
+    for node in list(graph.nodes):
+        found = _mutation(node)
+        if found is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        base = node.args[0]
+        if not _is_fresh(base):
+            continue
+        earlier_views = [
+            u for u in base.users if order[u] < order[node] and canonical_name(u) in _VIEW_NAMES
+        ]
+        if earlier_views:
+            continue  # a view taken before the update would see it: keep the mutation
+        target, kind = found
+        with graph.inserting_after(node):
+            new = graph.create_node(kind, target, node.args, node.kwargs, name=f"{node.name}_functional")
+        new.meta = dict(node.meta)
+        example = _example(base)
+        if example is not None:
+            new.meta["example_value"] = example  # same shape, dtype and device as the updated tensor
+        node.replace_all_uses_with(new)
+        for user in list(base.users):
+            if user is not new and order.get(user, -1) > order[node]:
+                user.replace_input_with(base, new)
+        order[new] = order[node] + 0.5
+        graph.erase_node(node)
+        changed += 1
+    return changed
+
+
+def normalize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Functionalize in-place updates of fresh tensors and tag every node with its role (in place)."""
+    changed = _functionalize(gm.graph)
+    for node in gm.graph.nodes:
+        node.meta["moeblaze_role"] = _role_of(node)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

@@ -1,0 +1,191 @@
+"""Step 4: prove a candidate region equal to the MoEBlaze operator.
+
+Structure (shapes and dtypes from fake tensors) is checked by ``extract``; here the region itself is
+cut out of the graph as a standalone function of its inputs and run on small random inputs at its
+traced sizes (ids drawn as distinct experts per token, the model's own expert weights), next to the
+operator's reference under each layout hypothesis. A hypothesis is accepted only when the output
+*and* the gradients of x, the combine weights and every expert parameter agree within the dtype's
+tolerance. Wrong layouts, different activations, a detached weight or a dropped token all show up
+as errors of order one, far above the tolerances, so the check separates cleanly.
+
+While the region runs, ``saved_tensors_hooks`` measure the activation bytes eager autograd keeps for
+its backward: the report's "before".
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..kernels.reference import moe_ffn_reference
+from .extract import Extraction, Layout
+from .find import Candidate, example_value
+from .find import size_hint as hint_int
+
+__all__ = ["Proof", "region_module", "prove", "TOLERANCE"]
+
+# Relative error ||region - reference|| / ||reference|| accepted per dtype. The reference runs the
+# same dtype with float32 accumulation; a wrong layout or function gives errors near 1.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+@dataclasses.dataclass
+class Proof:
+    layout: Optional[Layout]
+    reason: Optional[str] = None  # why not proven
+    forward_error: Optional[float] = None
+    gradient_errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    saved_bytes_before: Optional[int] = None  # measured on the original region
+
+
+def region_module(gm: fx.GraphModule, cand: Candidate) -> fx.GraphModule:
+    """The region as its own GraphModule: placeholders for ``cand.inputs``, output ``cand.output``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in cand.inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in cand.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[cand.output])
+    return fx.GraphModule(gm, graph)
+
+
+def _concrete_shape(val: torch.Tensor) -> list[int]:
+    return [hint_int(s) for s in val.shape]
+
+
+def _rel_error(a: Optional[torch.Tensor], b: Optional[torch.Tensor], like: torch.Tensor) -> float:
+    a = torch.zeros_like(like) if a is None else a
+    b = torch.zeros_like(like) if b is None else b
+    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    denom = max(b.norm().item(), a.norm().item(), 1e-30)
+    return (a - b).norm().item() / denom
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves, parameters excluded."""
+
+    def __init__(self, exclude: list[torch.Tensor]):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: torch.Generator):
+    x_val = example_value(ext.x)
+    device = x_val.device
+    T = hint_int(ext.T)
+    values: dict[fx.Node, Any] = {}
+    for node in cand.inputs:
+        val = example_value(node)
+        if node is ext.ids:
+            choice = torch.rand(T, ext.E, generator=gen, device=device).argsort(dim=1)[:, : ext.K]
+            values[node] = choice.to(val.dtype).reshape(_concrete_shape(val))
+        elif node is ext.x:
+            values[node] = torch.randn(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
+        elif node is ext.weights:
+            values[node] = torch.rand(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
+        elif node in real:
+            values[node] = real[node]
+        elif isinstance(val, torch.Tensor):
+            values[node] = torch.zeros(_concrete_shape(val), dtype=val.dtype, device=val.device)
+        elif isinstance(val, torch.SymInt):
+            values[node] = hint_int(val)
+        else:
+            values[node] = val
+    return values
+
+
+def prove(
+    gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], activation: str = "swiglu"
+) -> Proof:
+    """Find the layout under which the region equals the operator (forward and gradients)."""
+    for node in cand.inputs:
+        if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
+            return Proof(None, "the backend was given fake inputs, so the region cannot be run to check it")
+    try:
+        T = hint_int(ext.T)
+    except Exception:  # an unbacked token count has no hint
+        return Proof(None, f"the token count {ext.T} has no concrete hint to check the region with")
+    region = region_module(gm, cand)
+    gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
+    values = _inputs(cand, ext, real, gen)
+    tol = TOLERANCE[ext.dtype]
+
+    leaves: dict[str, torch.Tensor] = {}
+    args = []
+    for node in cand.inputs:
+        v = values[node]
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and (node in (ext.x, ext.weights) or node in real):
+            v = v.detach().requires_grad_(True)
+            leaves[node.name] = v
+        args.append(v)
+    by_node = dict(zip(cand.inputs, args))
+    param_values = [[by_node[p] for p in role.params] for role in ext.roles]
+
+    meter = _SavedBytes([by_node[p] for role in ext.roles for p in role.params])
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+        try:
+            y_region = region(*args)
+        except Exception as exc:  # the region's own code failed on fresh inputs
+            return Proof(None, f"running the region on random inputs failed: {type(exc).__name__}: {exc}")
+    saved_before = meter.total
+
+    x2d = by_node[ext.x].reshape(T, ext.d)
+    w2d = by_node[ext.weights].reshape(T, ext.K)
+    ids2d = by_node[ext.ids].reshape(T, ext.K)
+    if y_region.numel() != T * ext.d:
+        return Proof(None, f"the region's output has {y_region.numel()} elements, expected T*d = {T * ext.d}")
+
+    def eager(fn, *a):
+        return fn(*a)
+
+    best: Optional[Proof] = None
+    with torch.enable_grad():
+        for layout in ext.layouts:
+            stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
+            w_gate_up, w_down = layout.build(ext.roles, stacked, eager)
+            if w_gate_up.shape[1] != 2 * w_down.shape[2]:
+                continue
+            y_ref = moe_ffn_reference(x2d, ids2d, w2d, w_gate_up, w_down, activation)
+            err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
+            if err > tol:
+                if best is None or (best.forward_error or 1e9) > err:
+                    best = Proof(None, f"the region's output differs from the MoE operator (relative error {err:.2g} "
+                                       f"> {tol:g} for every layout tried)", forward_error=err)
+                continue
+            names = list(leaves)
+            g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
+            try:
+                grads_region = torch.autograd.grad(
+                    y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
+                    retain_graph=True, allow_unused=True,
+                )
+            except RuntimeError as exc:
+                return Proof(None, f"the region's output is not differentiable: {exc}", forward_error=err)
+            grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
+            errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
+            bad = {n: e for n, e in errors.items() if e > 2 * tol}
+            if bad:
+                worst = max(bad, key=bad.get)
+                best = Proof(None, f"outputs agree but the gradient of {worst} differs (relative error "
+                                   f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err, gradient_errors=errors)
+                continue
+            ext.h = int(w_down.shape[2])
+            return Proof(layout, None, err, errors, saved_before)
+    if best is None:
+        best = Proof(None, "no layout hypothesis had consistent shapes")
+    best.saved_bytes_before = saved_before
+    return best

@@ -1,0 +1,68 @@
+"""Step 5: replace a proven region by one ``torch.ops.moeblaze.moe_ffn`` call.
+
+Inserted before the region's output: reshapes of x/ids/weights to 2-D, the construction of the
+operator's weights from the expert parameters (views where the layout allows; a stack for
+``ModuleList`` experts), the operator, ``getitem 0``, and a reshape/cast back to the output's shape
+and dtype. Readers of the old output read the new one; the region's nodes and the runtime asserts
+that guarded its data-dependent sizes are erased. Every inserted node gets ``example_value`` from
+the fake tensors and the old output's stack trace.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .extract import Extraction, Layout
+from .find import Candidate, example_value
+
+__all__ = ["rewrite"]
+
+
+def _fake(v: Any) -> Any:
+    return example_value(v) if isinstance(v, fx.Node) else v
+
+
+def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout, activation: str,
+            checkpoint: str) -> fx.Node:
+    graph = gm.graph
+    y = cand.output
+    y_val = example_value(y)
+    x_val = example_value(ext.x)
+    fake_mode = example_value(ext.ids).fake_mode
+    trace = y.meta.get("stack_trace")
+
+    def call(fn, *args):
+        node = graph.call_function(fn, tuple(args))
+        with fake_mode:
+            node.meta["example_value"] = fn(*[[_fake(a) for a in arg] if isinstance(arg, list) else _fake(arg)
+                                              for arg in args])
+        if trace:
+            node.meta["stack_trace"] = trace
+        node.meta["moeblaze_role"] = "moeblaze"
+        return node
+
+    with graph.inserting_before(y):
+        x2d = ext.x if x_val.dim() == 2 else call(torch.reshape, ext.x, (-1, ext.d))
+        ids2d = ext.ids if example_value(ext.ids).dim() == 2 else call(torch.reshape, ext.ids, (-1, ext.K))
+        w_val = example_value(ext.weights)
+        w2d = ext.weights if w_val.dim() == 2 else call(torch.reshape, ext.weights, (-1, ext.K))
+        values = [call(torch.stack, list(role.params)) if role.stacked else role.params[0] for role in ext.roles]
+        w_gate_up, w_down = layout.build(ext.roles, values, call)
+        op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, w_gate_up, w_down, activation, checkpoint)
+        out = call(operator.getitem, op, 0)
+        if tuple(y_val.shape) != tuple(example_value(out).shape):
+            out = call(torch.Tensor.view_as, out, ext.x) if tuple(y_val.shape) == tuple(x_val.shape) else \
+                call(torch.reshape, out, tuple(y_val.shape))
+        if y_val.dtype != x_val.dtype:
+            out = call(torch.Tensor.to, out, y_val.dtype)
+    y.replace_all_uses_with(out)
+    for node in reversed(cand.asserts):
+        if not node.users:
+            graph.erase_node(node)
+    for node in reversed(cand.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    return op
