@@ -119,9 +119,10 @@ def plan_block_m() -> int:
 
 
 def dweights_chunk() -> int:
-    """Hidden columns per partial sum of the routing-weight gradient (divides every dh block_n in use)."""
+    """Hidden columns per partial sum of the routing-weight gradient (divides every dh block_n in use).
+    Half of a fixed config's block_n, so that the interpreter tests exercise programs owning two chunks."""
     cfg = _fixed_config()
-    return cfg.block_n if cfg is not None else _DWEIGHTS_CHUNK
+    return max(cfg.block_n // 2, 8) if cfg is not None else _DWEIGHTS_CHUNK
 
 
 def kernel_configs(kind: str) -> list[KernelConfig]:
@@ -130,12 +131,13 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     if kind == "up":  # two accumulators (gate, up) of block_m x block_n
         cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
-    elif kind == "dh":  # one accumulator, then an epilogue holding dH', A, B
-        cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
-                KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
-    elif kind == "dh_recompute":  # three accumulators: dH', A, B
+    elif kind == "dh":  # one accumulator, then an epilogue holding dH', A, B (block_n=128 spills there
+        # under Triton 3.9 for sm_90: 1.2 KB of stack; block_n=64 does not): let the timings decide
+        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4),
+                KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)]
+    elif kind == "dh_recompute":  # three accumulators: dH', A, B (170-175 registers, no spills)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
-                KernelConfig(block_n=64, block_k=32, num_warps=4, num_stages=4)]
+                KernelConfig(block_n=64, block_k=32, num_warps=8, num_stages=4)]
     elif kind == "down":
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]

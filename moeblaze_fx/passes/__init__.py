@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 import traceback
 from typing import Any, Sequence
 
@@ -14,7 +16,7 @@ from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import example_value, find_candidates, size_hint
 from .normalize import normalize
-from .prove import prove
+from .prove import Proof, prove
 from .rewrite import rewrite
 
 __all__ = ["run_passes", "saved_bytes_after"]
@@ -23,15 +25,30 @@ log = logging.getLogger("moeblaze_fx")
 ACTIVATION = "swiglu"
 
 
+# Frames from these places are library plumbing, not the model's source.
+_PLUMBING = (os.sep + os.path.join("torch", ""), os.sep + os.path.join("transformers", "integrations", ""))
+
+
 def _source(node: fx.Node) -> str:
-    """``file:line`` of the innermost frame of a node's stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    for line in reversed(trace.strip().splitlines()):
+    """``file:line`` of the innermost frame of a node's stack trace that is the model's own code."""
+    frames = []
+    for line in (node.meta.get("stack_trace") or "").strip().splitlines():
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[6:].partition('", line ')
-            return f"{path}:{rest.split(',')[0]}"
-    return "<unknown>"
+            frames.append(f"{path}:{rest.split(',')[0]}")
+    for frame in reversed(frames):
+        if not any(p in frame for p in _PLUMBING):
+            return frame
+    return frames[-1] if frames else "<unknown>"
+
+
+def _display_name(name: str) -> str:
+    """Dynamo's flattened parameter names back to module paths:
+    ``L_self_modules_experts_modules_0_modules_w1_parameters_weight_`` -> ``experts.0.w1.weight``."""
+    name = re.sub(r"^L_\w+?_(?=(modules|parameters)_)", "_", name)
+    parts = re.split(r"_(?:modules|parameters|buffers)_", name)
+    return ".".join(p for p in parts if p).rstrip("_").replace("#", "*")
 
 
 def saved_bytes_after(T: int, d: int, h: int, E: int, K: int, itemsize: int, ids_itemsize: int,
@@ -88,7 +105,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
     for node in work.graph.nodes:
         if node.op == "placeholder" and isinstance(real.get(node), torch.nn.Parameter):
             params.add(node)
-            name_of[node] = str(node.target)
+            name_of[node] = _display_name(str(node.target))
         elif node.op == "get_attr":
             try:
                 value = work.get_parameter(str(node.target))
@@ -109,7 +126,10 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
             record.reason = cand.reason
             counters["moeblaze"]["skipped"] += 1
             continue
-        ext = extract(cand, params, name_of)
+        try:  # analysis only: a failure here skips this candidate and leaves the graph as it is
+            ext = extract(cand, params, name_of)
+        except Exception as exc:
+            ext = f"internal error while extracting: {type(exc).__name__}: {exc}"
         if isinstance(ext, str):
             record.reason = ext
             counters["moeblaze"]["skipped"] += 1
@@ -118,7 +138,10 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
         record.d, record.E, record.K, record.dtype = ext.d, ext.E, ext.K, str(ext.dtype).replace("torch.", "")
         record.h = ext.h if ext.h > 0 else None
         if cfg.verify:
-            proof = prove(work, cand, ext, real, ACTIVATION)
+            try:
+                proof = prove(work, cand, ext, real, ACTIVATION)
+            except Exception as exc:
+                proof = Proof(None, f"internal error while proving: {type(exc).__name__}: {exc}")
             record.saved_bytes_before = proof.saved_bytes_before
             if proof.layout is None:
                 record.reason = proof.reason

@@ -99,21 +99,27 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
         return f"expert parameters of unsupported rank (biases are not supported yet): {shapes}"
     roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in three_d]
     names = [name_of[p] for p in three_d]
-    # ModuleList experts: names that differ only in one number are one role, ordered by that number
+    # ModuleList experts: the parameters whose names differ only in the expert's index form one
+    # role, ordered by that index. The index is the number position (counted from the end of the
+    # name) at which every group holds same-shaped parameters, as many in each group.
     groups: dict[str, list[tuple[int, fx.Node]]] = {}
-    for p in two_d:
-        name = name_of[p]
-        numbers = list(re.finditer(r"\d+", name))
-        keyed = False
-        for m in reversed(numbers):
-            skeleton = name[: m.start()] + "#" + name[m.end():]
-            others = [q for q in two_d if q is not p and re.fullmatch(re.escape(skeleton).replace("\\#", r"\d+"), name_of[q])]
-            if others:
-                groups.setdefault(skeleton, []).append((int(m.group()), p))
-                keyed = True
+    if two_d:
+        numbers = {p: list(re.finditer(r"\d+", name_of[p])) for p in two_d}
+        depth = min(len(m) for m in numbers.values())
+        for j in range(1, depth + 1):
+            trial: dict[str, list[tuple[int, fx.Node]]] = {}
+            for p in two_d:
+                m = numbers[p][-j]
+                name = name_of[p]
+                trial.setdefault(name[: m.start()] + "#" + name[m.end():], []).append((int(m.group()), p))
+            sizes = {len(v) for v in trial.values()}
+            if len(sizes) == 1 and sizes.pop() > 1 and all(
+                len({tuple(example_value(p).shape) for _, p in v}) == 1 for v in trial.values()
+            ):
+                groups = trial
                 break
-        if not keyed:
-            return f"expert parameter {name} is not one of a per-expert family"
+        if not groups:
+            return "the 2-D expert parameters do not form per-expert families (one weight of each expert per role)"
     for skeleton, members in groups.items():
         members.sort(key=lambda m: m[0])
         shapes = {tuple(example_value(p).shape) for _, p in members}

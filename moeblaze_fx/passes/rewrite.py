@@ -25,6 +25,13 @@ def _fake(v: Any) -> Any:
     return example_value(v) if isinstance(v, fx.Node) else v
 
 
+def _as_2d(node: fx.Node, cols: int, call) -> fx.Node:
+    val = example_value(node)
+    if val.dim() == 2 and val.shape[1] == cols:
+        return node
+    return call(torch.reshape, node, (-1, cols))
+
+
 def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout, activation: str,
             checkpoint: str) -> fx.Node:
     graph = gm.graph
@@ -45,10 +52,9 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         return node
 
     with graph.inserting_before(y):
-        x2d = ext.x if x_val.dim() == 2 else call(torch.reshape, ext.x, (-1, ext.d))
-        ids2d = ext.ids if example_value(ext.ids).dim() == 2 else call(torch.reshape, ext.ids, (-1, ext.K))
-        w_val = example_value(ext.weights)
-        w2d = ext.weights if w_val.dim() == 2 else call(torch.reshape, ext.weights, (-1, ext.K))
+        x2d = _as_2d(ext.x, ext.d, call)
+        ids2d = _as_2d(ext.ids, ext.K, call)
+        w2d = _as_2d(ext.weights, ext.K, call)
         values = [call(torch.stack, list(role.params)) if role.stacked else role.params[0] for role in ext.roles]
         w_gate_up, w_down = layout.build(ext.roles, values, call)
         op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, w_gate_up, w_down, activation, checkpoint)
