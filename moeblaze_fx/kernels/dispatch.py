@@ -30,8 +30,8 @@ Data flow (forward only; dispatch has no backward, its outputs are integer indic
 
 The stable rank inside a chunk takes one of two paths (``DispatchConfig.path``):
 
-* ``"sort"``: key = bin * C + local index, sorted in registers (``tl.sort``, a bitonic network over
-  one chunk; keys are unique so the order is total and deterministic). The pair at sorted position j
+* ``"sort"``: key = bin * C + local index, sorted in registers (a bitonic network over one chunk, as
+  ``tl.sort``; keys are unique, so the order is total and deterministic). The pair at sorted position j
   of bin b has rank ``j - #{chunk pairs in bins < b}`` (from ``tl.histogram`` of the chunk), so
   ``slot = (start - excl_cumsum(chunk histogram))[b] + j`` through one ``tl.gather``.
 * ``"dense"`` (few experts): a one-hot [SUB, bins] block and a cumsum along the pairs, SUB pairs at a
@@ -96,6 +96,36 @@ def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k):
     routed = live & (x >= 0) & (x < E)
     b = tl.where(routed, x, E).to(tl.int32)
     return b, routed
+
+
+@triton.jit
+def _hypercube_indicator(n_dims: tl.constexpr, j: tl.constexpr):
+    """0/1 along the j-th innermost axis of a [2] * n_dims hypercube: bit j of each position."""
+    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _bitonic_compare_and_swap(h, flip, i: tl.constexpr, n_dims: tl.constexpr):
+    """One bitonic step between positions that differ in bit i. Keys are unique, so the partner is the
+    pair's sum minus oneself (tl.sum has a vectorised interpreter path; tl.sort's xor reduction does not,
+    which made the interpreter ~50x slower). Same tt.reduce over a size-2 axis on the GPU."""
+    partner = tl.sum(h, axis=n_dims - 1 - i, keep_dims=True) - h
+    is_right = _hypercube_indicator(n_dims, i)
+    return tl.where((h > partner) != (flip ^ is_right), partner, h)
+
+
+@triton.jit
+def _sort_unique_keys(x, LOG_N: tl.constexpr):
+    """Ascending bitonic sort of a 1-D block of 2**LOG_N distinct int32 keys, in registers."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for stage in tl.static_range(1, LOG_N + 1):
+        if stage < LOG_N:
+            flip = _hypercube_indicator(LOG_N, stage)  # alternate directions between blocks of 2**stage
+        else:
+            flip = 0
+        for i in tl.static_range(stage):
+            h = _bitonic_compare_and_swap(h, flip, stage - 1 - i, LOG_N)
+    return tl.reshape(h, x.shape)
 
 
 @triton.jit
@@ -166,6 +196,7 @@ def _dispatch_scatter_kernel(
     stride_ids_k,
     stride_base_c,
     CHUNK: tl.constexpr,  # C, pairs per chunk program
+    LOG_CHUNK: tl.constexpr,
     BINS: tl.constexpr,  # power of two >= E + 1 (bin E = unrouted); >= 32 on the sort path
     DENSE: tl.constexpr,  # rank through a one-hot tile instead of the sort
     SUB: tl.constexpr,  # dense path: pairs per one-hot tile
@@ -221,7 +252,7 @@ def _dispatch_scatter_kernel(
             # slot of sorted position j in bin b = start[b] + (j - #{chunk pairs in bins < b})
             rank_base = start - (tl.cumsum(counts, axis=0) - counts)
             key = tl.where(live, b, E + 1) * CHUNK + j  # padding lanes sort last (bin E + 1)
-            key = tl.sort(key)
+            key = _sort_unique_keys(key, LOG_CHUNK)
             sorted_bin = key // CHUNK
             sorted_p = c * CHUNK + (key - sorted_bin * CHUNK)
             sorted_live = sorted_bin <= E
@@ -283,6 +314,8 @@ def _validate_config(config: DispatchConfig) -> None:
         v = getattr(config, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"dispatch config {name} must be a positive power of two, got {v}")
+    if config.chunk < 16:
+        raise ValueError(f"dispatch config chunk must be >= 16, got {config.chunk}")
 
 
 def dispatch_forward(
@@ -343,7 +376,7 @@ def dispatch_forward(
         ids, chunk_base, totals, offsets, token_index, slot_of, tile_expert, tile_start,
         N, K, E, num_tile_programs, n_tiles, block_m,
         ids.stride(0), ids.stride(1), chunk_base.stride(0),
-        CHUNK=chunk, BINS=bins, DENSE=dense, SUB=max(min(4096 // bins, chunk), 1),
+        CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1, BINS=bins, DENSE=dense, SUB=max(min(4096 // bins, chunk), 1),
         TILE_BLOCK=tile_block, TILES_PER_PROGRAM=tiles_per_program, num_warps=config.num_warps,
     )  # fmt: skip
     return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)

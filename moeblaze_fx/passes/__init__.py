@@ -19,7 +19,7 @@ from .normalize import normalize
 from .prove import Proof, prove
 from .rewrite import rewrite
 
-__all__ = ["run_passes", "saved_bytes_after"]
+__all__ = ["run_passes", "saved_bytes_after", "format_graph"]
 
 log = logging.getLogger("moeblaze_fx")
 ACTIVATION = "swiglu"
@@ -39,14 +39,70 @@ def _source(node: fx.Node) -> str:
             frames.append(f"{path}:{rest.split(',')[0]}")
     for frame in reversed(frames):
         if not any(p in frame for p in _PLUMBING):
-            return frame
-    return frames[-1] if frames else "<unknown>"
+            return _short_path(frame)
+    return _short_path(frames[-1]) if frames else "<unknown>"
+
+
+def _short_path(frame: str) -> str:
+    """Paths under the working directory relative to it; installed packages from their package."""
+    marker = "site-packages" + os.sep
+    if marker in frame:
+        return frame.split(marker, 1)[1]
+    cwd = os.getcwd() + os.sep
+    return frame[len(cwd):] if frame.startswith(cwd) else frame
+
+
+def format_graph(gm: fx.GraphModule) -> str:
+    """One line per node, parameters named by module path: the form golden tests compare."""
+    names = {n: _display_name(n.name) if n.op == "placeholder" else n.name for n in gm.graph.nodes}
+
+    def arg(a: Any) -> str:
+        if isinstance(a, fx.Node):
+            return names[a]
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, torch.dtype):
+            return str(a)
+        return repr(a)
+
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            lines.append(f"{names[n]} = input")
+            continue
+        if n.op == "output":
+            lines.append(f"return {arg(n.args[0])}")
+            continue
+        if n.op == "call_method":
+            target = f".{n.target}"
+        elif n.op == "get_attr":
+            target = f"self.{n.target}"
+        else:
+            target = _qualified_name(n.target)
+        args = [arg(a) for a in n.args] + [f"{k}={arg(v)}" for k, v in n.kwargs.items()]
+        lines.append(f"{names[n]} = {target}({', '.join(args)})")
+    return "\n".join(lines)
+
+
+def _qualified_name(target: Any) -> str:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", getattr(target, "__name__", str(target)))
+    if name.startswith("_VariableFunctionsClass."):  # torch.topk and friends
+        name = name.split(".", 1)[1]
+    if module in ("_operator", "operator"):
+        return f"operator.{name}"
+    if module.startswith("torch"):
+        return f"torch.{name}" if not name.startswith("Tensor.") else name
+    return f"{module}.{name}" if module else name
 
 
 def _display_name(name: str) -> str:
     """Dynamo's flattened parameter names back to module paths:
     ``L_self_modules_experts_modules_0_modules_w1_parameters_weight_`` -> ``experts.0.w1.weight``."""
-    name = re.sub(r"^L_\w+?_(?=(modules|parameters)_)", "_", name)
+    name = re.sub(r"^[Ll]_\w+?_(?=(modules|parameters)_)", "_", name)
     parts = re.split(r"_(?:modules|parameters|buffers)_", name)
     return ".".join(p for p in parts if p).rstrip("_").replace("#", "*")
 
