@@ -12,7 +12,7 @@ candidate configurations of each kind, and :func:`launch` is the single place th
 Kinds, and what ``block_m/n/k`` mean for each:
 
 ``up``           up projection (forward) over the plan's row tiles: rows x (h columns, gate and up each) x d
-``dh``           backward dH' (+ saved A|B) over row tiles: rows x h x d
+``dh``           backward dH' (A|B read from the saved preact) over row tiles: rows x h x d
 ``dh_recompute`` the same kernel recomputing A|B: three accumulators, so a narrower tile
 ``down``         row-tile GEMM (forward down projection, backward dX): rows x d x (h or 2h)
 ``dw``           per-expert weight gradient, contraction over the expert's slots: out rows x out cols x slots
