@@ -1,6 +1,7 @@
 """moeblaze-fx: a torch.compile backend that rewrites Mixture-of-Experts layers into MoEBlaze operators."""
 from .config import MoEBlazeConfig, patch
 from .ops import moe_ffn
+from . import report
 from .report import RegionRecord, last_report
 
-__all__ = ["MoEBlazeConfig", "patch", "moe_ffn", "RegionRecord", "last_report"]
+__all__ = ["MoEBlazeConfig", "patch", "moe_ffn", "RegionRecord", "last_report", "report"]

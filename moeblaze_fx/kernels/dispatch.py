@@ -99,32 +99,26 @@ def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k):
 
 
 @triton.jit
-def _hypercube_indicator(n_dims: tl.constexpr, j: tl.constexpr):
-    """0/1 along the j-th innermost axis of a [2] * n_dims hypercube: bit j of each position."""
-    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
-
-
-@triton.jit
-def _bitonic_compare_and_swap(h, flip, i: tl.constexpr, n_dims: tl.constexpr):
-    """One bitonic step between positions that differ in bit i. Keys are unique, so the partner is the
-    pair's sum minus oneself (tl.sum has a vectorised interpreter path; tl.sort's xor reduction does not,
-    which made the interpreter ~50x slower). Same tt.reduce over a size-2 axis on the GPU."""
-    partner = tl.sum(h, axis=n_dims - 1 - i, keep_dims=True) - h
-    is_right = _hypercube_indicator(n_dims, i)
-    return tl.where((h > partner) != (flip ^ is_right), partner, h)
-
-
-@triton.jit
 def _sort_unique_keys(x, LOG_N: tl.constexpr):
-    """Ascending bitonic sort of a 1-D block of 2**LOG_N distinct int32 keys, in registers."""
+    """Ascending bitonic sort of a 1-D block of 2**LOG_N distinct int32 keys, in registers.
+
+    tl.sort's network on a [2] * LOG_N hypercube, with one change: keys are unique, so a position's
+    partner is the pair's sum minus itself (tl.sum) instead of an xor reduction. The GPU sees the same
+    tt.reduce over a size-2 axis; the interpreter has a vectorised tl.sum but runs xor reductions element
+    by element (about 50x slower). Written inline: each nested jit call costs the interpreter ~0.3 ms.
+    """
     h = tl.reshape(x, [2] * LOG_N)
     for stage in tl.static_range(1, LOG_N + 1):
+        # Blocks of 2**stage positions alternate direction (bit `stage` of the position), except the last.
         if stage < LOG_N:
-            flip = _hypercube_indicator(LOG_N, stage)  # alternate directions between blocks of 2**stage
+            flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_N - stage - 1) + [2] + [1] * stage)
         else:
-            flip = 0
-        for i in tl.static_range(stage):
-            h = _bitonic_compare_and_swap(h, flip, stage - 1 - i, LOG_N)
+            flip = tl.zeros([1] * LOG_N, dtype=tl.int32)
+        for step in tl.static_range(stage):
+            i: tl.constexpr = stage - 1 - step  # compare positions that differ in bit i
+            partner = tl.sum(h, axis=LOG_N - 1 - i, keep_dims=True) - h
+            is_right = tl.reshape(tl.arange(0, 2), [1] * (LOG_N - i - 1) + [2] + [1] * i)
+            h = tl.where((h > partner) != (flip ^ is_right), partner, h)
     return tl.reshape(h, x.shape)
 
 

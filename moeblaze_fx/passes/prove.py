@@ -112,6 +112,12 @@ def prove(
     gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], activation: str = "swiglu"
 ) -> Proof:
     """Find the layout under which the region equals the operator (forward and gradients)."""
+    # innermost no-op hooks: a caller's saved_tensors_hooks must not see the proof's tensors
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return _prove(gm, cand, ext, real, activation)
+
+
+def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], activation: str) -> Proof:
     for node in cand.inputs:
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
             return Proof(None, "the backend was given fake inputs, so the region cannot be run to check it")

@@ -43,7 +43,8 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
 
     def call(fn, *args):
         node = graph.call_function(fn, tuple(args))
-        with fake_mode:
+        # the innermost no-op hooks keep a caller's saved_tensors_hooks away from fake tensors
+        with fake_mode, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             node.meta["example_value"] = fn(*[[_fake(a) for a in arg] if isinstance(arg, list) else _fake(arg)
                                               for arg in args])
         if trace:
