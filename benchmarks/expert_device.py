@@ -113,10 +113,23 @@ def pick_dispatch():
 DISPATCH, DISPATCH_NOTE = None, None
 
 
+def dispatch_with_fallback(ids, E, block_m):
+    """The chosen dispatch; if it raises (another engineer's kernel, in progress), the reference from then on."""
+    global DISPATCH, DISPATCH_NOTE
+    if DISPATCH is not reference.dispatch_reference:
+        try:
+            return DISPATCH(ids, E, block_m=block_m)
+        except Exception as exc:  # noqa: BLE001
+            DISPATCH_NOTE = f"dispatch_reference (kernels.dispatch failed at T={ids.shape[0]}: {type(exc).__name__})"
+            log(DISPATCH_NOTE)
+            DISPATCH = reference.dispatch_reference
+    return reference.dispatch_reference(ids, E, block_m=block_m)
+
+
 class KernelMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ids, weights, w_gate_up, w_down, policy):
-        plan = DISPATCH(ids, w_gate_up.shape[0], block_m=plan_block_m())
+        plan = dispatch_with_fallback(ids, w_gate_up.shape[0], plan_block_m())
         y, preact = expert_forward(x, weights, w_gate_up, w_down, plan, "swiglu", policy == "activations")
         ctx.save_for_backward(x, weights, w_gate_up, w_down, preact, *plan)
         return y
@@ -197,6 +210,20 @@ def ref_torch_path_fp32(inp):
     return [y, *grads]
 
 
+def dweights_scale(inp):
+    """sum_n |dH'_n| |H_n| per pair (fp32): dweights = <dH', H> is judged against the size of its summands
+    (see tests/kernels/test_expert.py: a cancelling dot product over bf16-rounded A|B)."""
+    x, gy, wgu, wd = (inp[k].float() for k in ("x", "grad_y", "w_gate_up", "w_down"))
+    ids = inp["ids"]
+    h = wgu.shape[1] // 2
+    scale = torch.zeros(ids.shape, dtype=torch.float32, device=x.device)
+    for e in range(wgu.shape[0]):
+        t, k = torch.where(ids == e)
+        pre = x[t] @ wgu[e].t()
+        scale[t, k] = ((gy[t] @ wd[e]).abs() * (torch.nn.functional.silu(pre[:, :h]) * pre[:, h:]).abs()).sum(1)
+    return scale
+
+
 def check(inp, ref, policy):
     poison_allocator()
     out1 = run_kernels(inp, policy)
@@ -242,7 +269,7 @@ def time_config(name, inp, policy):
 
     def fwd():
         with torch.no_grad():
-            plan = DISPATCH(inp["ids"], E, block_m=plan_block_m())
+            plan = dispatch_with_fallback(inp["ids"], E, plan_block_m())
             return expert_forward(x, w, wgu, wd, plan, "swiglu", policy == "activations"), plan
 
     (y0, preact), plan = fwd()
@@ -331,8 +358,10 @@ def main(outdir: str) -> None:
     for T, d, h, E, K, mode in SMALL:
         inp = make_inputs(T, d, h, E, K, ids_mode=mode, seed=T)
         ref = ref_autograd_fp32(inp)
+        scale = float(dweights_scale(inp).norm())
         for policy in POLICIES:
             errs, bitwise = check(inp, ref, policy)
+            errs["dweights_vs_summands"] = errs["dweights"] * float(ref[2].float().norm()) / max(scale, 1e-30)
             rec = dict(shape=(T, d, h, E, K), ids=mode, policy=policy, errs=errs, bitwise=bitwise)
             result["small"].append(rec)
             log(f"small {rec}")
@@ -369,14 +398,17 @@ def main(outdir: str) -> None:
     with open(os.path.join(outdir, "expert_device.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
+    meta["dispatch"] = DISPATCH_NOTE
     lines = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
              f"commit {meta['commit']}{' (+local kernel changes)' if meta['kernels_dirty'] else ''}; "
              f"dispatch: {meta['dispatch']}; router excluded",
              f"ceilings: bf16 GEMM {result['ceilings']['gemm_bf16_tflops']:.0f} TFLOP/s, "
              f"copy {result['ceilings']['copy_tb_s']:.2f} TB/s", ""]
-    worst_small = max((max(r["errs"].values()) for r in result["small"]), default=float("nan"))
+    worst_small = max((max(v for k, v in r["errs"].items() if k != "dweights") for r in result["small"]),
+                      default=float("nan"))
     all_bitwise = all(r["bitwise"] for r in result["small"] + result["configs"])
-    lines.append(f"small ragged shapes: worst rel err {worst_small:.2e}; bitwise deterministic everywhere: {all_bitwise}")
+    lines.append(f"small ragged shapes: worst rel err {worst_small:.2e} (dweights against its summands' size); "
+                 f"bitwise deterministic everywhere: {all_bitwise}")
     lines += ["", "| config | policy | max rel err (y, dx, dw, dWgu, dWd) | bitwise |", "|---|---|---|---|"]
     for r in result["configs"]:
         e = r["errs"]
