@@ -59,8 +59,13 @@ def all_reports() -> list[list[RegionRecord]]:
     return [list(r) for r in _reports]
 
 
-def _mb(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f} MB"
+def _bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def format_table(records: list[RegionRecord]) -> str:
@@ -73,8 +78,8 @@ def format_table(records: list[RegionRecord]) -> str:
         dims = f"T={r.T} d={r.d} h={r.h} E={r.E} K={r.K} {r.dtype}"
         lines.append(f"  [{i}] {r.status:<9} {r.source}  {r.idiom}")
         if r.status == "rewritten":
-            lines.append(f"      {dims}  policy={r.policy}  saved for backward: {_mb(r.saved_bytes_before)} -> "
-                         f"{_mb(r.saved_bytes_after)}")
+            lines.append(f"      {dims}  policy={r.policy}  saved for backward: {_bytes(r.saved_bytes_before)} -> "
+                         f"{_bytes(r.saved_bytes_after)}")
             lines.append(f"      layout: {r.layout}; check: {r.check}")
         else:
             if r.d is not None:

@@ -115,9 +115,9 @@ def _sort_unique_keys(x, LOG_N: tl.constexpr):
         else:
             flip = tl.zeros([1] * LOG_N, dtype=tl.int32)
         for step in tl.static_range(stage):
-            i: tl.constexpr = stage - 1 - step  # compare positions that differ in bit i
-            partner = tl.sum(h, axis=LOG_N - 1 - i, keep_dims=True) - h
-            is_right = tl.reshape(tl.arange(0, 2), [1] * (LOG_N - i - 1) + [2] + [1] * i)
+            # compare positions that differ in bit i = stage - 1 - step: hypercube axis LOG_N - 1 - i
+            partner = tl.sum(h, axis=LOG_N - stage + step, keep_dims=True) - h
+            is_right = tl.reshape(tl.arange(0, 2), [1] * (LOG_N - stage + step) + [2] + [1] * (stage - 1 - step))
             h = tl.where((h > partner) != (flip ^ is_right), partner, h)
     return tl.reshape(h, x.shape)
 
@@ -312,6 +312,22 @@ def _validate_config(config: DispatchConfig) -> None:
         raise ValueError(f"dispatch config chunk must be >= 16, got {config.chunk}")
 
 
+def _scatter_meta(config: DispatchConfig, num_experts: int) -> dict:
+    """Compile-time parameters of _dispatch_scatter_kernel for a configuration."""
+    _validate_config(config)
+    dense = config.path == "dense"
+    bins = triton.next_power_of_2(num_experts + 1)
+    if not dense:
+        bins = max(bins, 32)  # tl.histogram spreads its bins over a warp's lanes
+    # Register tiles of [rows, bins] int32 hold about 16 elements per thread (more spilled or capped
+    # occupancy: 8K-element tiles took 164-175 registers per thread at 4 warps, sm_90 ptxas).
+    rows = max(16 * 32 * config.num_warps // bins, 8)
+    return dict(
+        CHUNK=config.chunk, LOG_CHUNK=config.chunk.bit_length() - 1, BINS=bins, DENSE=dense,
+        SUB=min(rows, config.chunk), TILE_BLOCK=rows, TILES_PER_PROGRAM=max(16 * rows, 1024),
+    )  # fmt: skip
+
+
 def dispatch_forward(
     ids: Tensor, num_experts: int, block_m: int = 64, config: DispatchConfig | None = None
 ) -> DispatchPlan:
@@ -340,12 +356,8 @@ def dispatch_forward(
         return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
 
     config = config or default_config(N, E)
-    _validate_config(config)
+    meta = _scatter_meta(config, E)
     chunk = config.chunk
-    dense = config.path == "dense"
-    bins = triton.next_power_of_2(E + 1)
-    if not dense:
-        bins = max(bins, 32)  # tl.histogram spreads its bins over a warp's lanes
     num_chunks = triton.cdiv(N, chunk)
     offsets = torch.empty(E + 1, dtype=i32, device=device)
     tile_expert = torch.empty(n_tiles, dtype=i32, device=device)
@@ -362,16 +374,12 @@ def dispatch_forward(
         chunk_base, totals, num_chunks, E, chunk_base.stride(0),
         BLOCK_C=config.scan_block_c, BLOCK_E=_SCAN_BLOCK_E, num_warps=4,
     )
-    # One [TILE_BLOCK, BINS] comparison block of about 8K elements per step.
-    tile_block = max(8192 // bins, 16)
-    tiles_per_program = 4 * tile_block
-    num_tile_programs = triton.cdiv(n_tiles, tiles_per_program)
+    num_tile_programs = triton.cdiv(n_tiles, meta["TILES_PER_PROGRAM"])
     _dispatch_scatter_kernel[(num_tile_programs + num_chunks,)](
         ids, chunk_base, totals, offsets, token_index, slot_of, tile_expert, tile_start,
         N, K, E, num_tile_programs, n_tiles, block_m,
         ids.stride(0), ids.stride(1), chunk_base.stride(0),
-        CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1, BINS=bins, DENSE=dense, SUB=max(min(4096 // bins, chunk), 1),
-        TILE_BLOCK=tile_block, TILES_PER_PROGRAM=tiles_per_program, num_warps=config.num_warps,
+        **meta, num_warps=config.num_warps,
     )  # fmt: skip
     return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
 

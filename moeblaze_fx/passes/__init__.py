@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import traceback
@@ -107,6 +108,11 @@ def _display_name(name: str) -> str:
     return ".".join(p for p in parts if p).rstrip("_").replace("#", "*")
 
 
+def _order_of(err: float) -> float:
+    """The power of ten at or above ``err``: stable across machines, unlike the error itself."""
+    return 10.0 ** math.ceil(math.log10(max(err, 1e-16)))
+
+
 def saved_bytes_after(T: int, d: int, h: int, E: int, K: int, itemsize: int, ids_itemsize: int,
                       weights_itemsize: int, policy: str, block_m: int = 64) -> int:
     """What the operator saves for backward (the formula in report.py's docstring)."""
@@ -205,7 +211,8 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 continue
             layout = proof.layout
             grads = max(proof.gradient_errors.values(), default=0.0)
-            record.check = f"numerical, forward rel. error {proof.forward_error:.1e}, gradients {grads:.1e}"
+            record.check = (f"numerical: forward and gradients within rel. error "
+                            f"{_order_of(max(proof.forward_error, grads)):.0e} of the operator")
         else:
             layout = ext.layouts[0]
             ext.h = int(ext.roles[layout.down].shape[1 if layout.down_t else 2])

@@ -1,0 +1,144 @@
+"""Hugging Face transformers >= 5 MoE models, built from tiny configs with random weights (no hub).
+
+Each model family under each experts implementation: one rewrite per MoE layer, exact counters, and
+the loss and every parameter's gradient equal to eager.
+"""
+import expecttest
+import pytest
+import torch
+import transformers
+from helpers import rewritten_graph, run_eager_and_compiled
+
+import moeblaze_fx
+
+LAYERS = 2
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+
+
+def build(family: str, impl: str, dtype: torch.dtype):
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.MixtralForCausalLM
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=24, intermediate_size=64, num_experts=8,
+                                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                          norm_topk_prob=True, head_dim=8)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8, num_experts_per_tok=2)
+        cls = transformers.OlmoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).to(dtype)
+    model.set_experts_implementation(impl)
+    return model
+
+
+def _tokens():
+    return torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize(
+    "impl,dtype",
+    [
+        ("grouped_mm", torch.float32),  # the graph holds transformers::grouped_mm_fallback
+        ("grouped_mm", torch.bfloat16),  # the graph holds torch._grouped_mm
+        ("batched_mm", torch.float32),  # a gather of expert weights and torch.bmm
+    ],
+    ids=["grouped_mm-fp32", "grouped_mm-bf16", "batched_mm-fp32"],
+)
+def test_causal_lm_one_rewrite_per_layer(family, impl, dtype):
+    model = build(family, impl, dtype)
+    tokens = _tokens()
+    got = run_eager_and_compiled(model, (tokens,), loss=None, dtype=dtype,
+                                 options={"inductor": False})
+    assert got == {"rewritten": LAYERS}
+    assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
+
+
+def test_mixtral_through_inductor_recompute():
+    model = build("mixtral", "grouped_mm", torch.float32)
+    got = run_eager_and_compiled(model, (_tokens(),), options={"checkpoint": "recompute"})
+    assert got == {"rewritten": LAYERS}
+
+
+class TestGolden(expecttest.TestCase):
+    def _block_graph(self, impl, dtype):
+        block = build("mixtral", impl, dtype).model.layers[0].mlp
+        x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return rewritten_graph(block, x)
+
+    def test_grouped_mm_fallback_fp32(self):
+        self.assertExpectedInline(self._block_graph("grouped_mm", torch.float32), """\
+l_hidden_states = input
+gate.weight = input
+experts.gate_up_proj = input
+experts.down_proj = input
+hidden_states = .view(l_hidden_states, -1, 32)
+hidden_states_1 = .reshape(hidden_states, -1, 32)
+router_logits = torch.linear(hidden_states_1, gate.weight)
+float_1 = .float(router_logits)
+router_probs = torch.softmax(float_1, dim=-1)
+topk = torch.topk(router_probs, 2, dim=-1)
+router_top_value = operator.getitem(topk, 0)
+router_indices = operator.getitem(topk, 1)
+sum_1 = .sum(router_top_value, dim=-1, keepdim=True)
+router_top_value_1_functional = operator.truediv(router_top_value, sum_1)
+sample_weights = .reshape(router_top_value_1_functional, -1)
+reshape = torch.reshape(sample_weights, (-1, 2))
+moe_ffn_default = moeblaze.moe_ffn.default(hidden_states, router_indices, reshape, experts.gate_up_proj, experts.down_proj, 'swiglu', 'activations')
+getitem = operator.getitem(moe_ffn_default, 0)
+hidden_states_2 = .to(getitem, torch.float32)
+hidden_states_3 = .reshape(hidden_states_2, 2, 5, 32)
+return (hidden_states_3,)""")
+
+    def test_grouped_mm_bf16(self):
+        self.assertExpectedInline(self._block_graph("grouped_mm", torch.bfloat16), """\
+l_hidden_states = input
+gate.weight = input
+experts.gate_up_proj = input
+experts.down_proj = input
+hidden_states = .view(l_hidden_states, -1, 32)
+hidden_states_1 = .reshape(hidden_states, -1, 32)
+router_logits = torch.linear(hidden_states_1, gate.weight)
+float_1 = .float(router_logits)
+router_probs = torch.softmax(float_1, dim=-1)
+topk = torch.topk(router_probs, 2, dim=-1)
+router_top_value = operator.getitem(topk, 0)
+router_indices = operator.getitem(topk, 1)
+sum_1 = .sum(router_top_value, dim=-1, keepdim=True)
+router_top_value_1_functional = operator.truediv(router_top_value, sum_1)
+sample_weights = .reshape(router_top_value_1_functional, -1)
+reshape = torch.reshape(sample_weights, (-1, 2))
+moe_ffn_default = moeblaze.moe_ffn.default(hidden_states, router_indices, reshape, experts.gate_up_proj, experts.down_proj, 'swiglu', 'activations')
+getitem = operator.getitem(moe_ffn_default, 0)
+to_2 = TensorBase.to(getitem, torch.float32)
+hidden_states_2 = .to(to_2, torch.bfloat16)
+hidden_states_3 = .reshape(hidden_states_2, 2, 5, 32)
+return (hidden_states_3,)""")
+
+    def test_batched_mm(self):
+        self.assertExpectedInline(self._block_graph("batched_mm", torch.float32), """\
+l_hidden_states = input
+gate.weight = input
+experts.gate_up_proj = input
+experts.down_proj = input
+hidden_states = .view(l_hidden_states, -1, 32)
+hidden_states_1 = .reshape(hidden_states, -1, 32)
+router_logits = torch.linear(hidden_states_1, gate.weight)
+float_1 = .float(router_logits)
+router_probs = torch.softmax(float_1, dim=-1)
+topk = torch.topk(router_probs, 2, dim=-1)
+router_top_value = operator.getitem(topk, 0)
+router_indices = operator.getitem(topk, 1)
+sum_1 = .sum(router_top_value, dim=-1, keepdim=True)
+router_top_value_1_functional = operator.truediv(router_top_value, sum_1)
+sample_weights = .reshape(router_top_value_1_functional, -1)
+unsqueeze_2 = .unsqueeze(sample_weights, -1)
+reshape = torch.reshape(unsqueeze_2, (-1, 2))
+moe_ffn_default = moeblaze.moe_ffn.default(hidden_states, router_indices, reshape, experts.gate_up_proj, experts.down_proj, 'swiglu', 'activations')
+getitem = operator.getitem(moe_ffn_default, 0)
+hidden_states_2 = .to(getitem, torch.float32)
+hidden_states_3 = .reshape(hidden_states_2, 2, 5, 32)
+return (hidden_states_3,)""")

@@ -1,0 +1,61 @@
+"""Helpers shared by the end-to-end tests: compile with the backend, compare with eager."""
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from moeblaze_fx.backend import rewrite_graph
+from moeblaze_fx.passes import format_graph
+
+# relative error ||compiled - eager|| / ||eager|| allowed per dtype (output and every gradient)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def run_eager_and_compiled(model: torch.nn.Module, inputs: tuple, *, options=None, loss=None, dtype=torch.float32,
+                           fullgraph=True):
+    """Forward + backward eagerly and under backend="moeblaze"; assert equal within tolerance.
+    Returns the moeblaze counters of the compile."""
+    loss = loss or (lambda out: (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum())
+    params = [p for p in model.parameters() if p.requires_grad]
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step(fn):
+        for t in params + leaves:
+            t.grad = None
+        out = fn(*inputs)
+        out = getattr(out, "logits", out)  # a transformers model output
+        out = out if out.dim() == 0 else loss(out)
+        out.backward()
+        return out.detach(), [t.grad.detach().clone() if t.grad is not None else None for t in params + leaves]
+
+    want_out, want_grads = step(model)
+    counters.clear()
+    compiled = torch.compile(model, backend="moeblaze", fullgraph=fullgraph, options=options or {"inductor": False})
+    got_out, got_grads = step(compiled)
+    tol = TOL[dtype]
+    assert _rel(got_out, want_out) <= tol, f"output: relative error {_rel(got_out, want_out):.3g}"
+    names = [n for n, p in model.named_parameters() if p.requires_grad] + [f"input{i}" for i in range(len(leaves))]
+    for name, a, b in zip(names, got_grads, want_grads):
+        assert (a is None) == (b is None), f"gradient of {name}: present in one run only"
+        if a is not None:
+            assert _rel(a, b) <= tol, f"gradient of {name}: relative error {_rel(a, b):.3g}"
+    return dict(counters["moeblaze"])
+
+
+def rewritten_graph(module: torch.nn.Module, *inputs, options=None) -> str:
+    """The rewritten Dynamo graph of ``module`` in format_graph's form."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        new = rewrite_graph(gm, example_inputs, options)
+        graphs.append(format_graph(new))
+        return new.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=capture, fullgraph=True)(*inputs)
+    assert len(graphs) == 1, f"expected one graph, Dynamo made {len(graphs)}"
+    return graphs[0]

@@ -1,0 +1,174 @@
+"""The operator: numerics against the reference (output and every gradient), memory policy, errors."""
+import pytest
+import torch
+
+import moeblaze_fx
+from moeblaze_fx.kernels.reference import moe_ffn_reference
+from moeblaze_fx.ops import moe_ffn
+
+
+def _inputs(T, d, h, E, K, dtype=torch.float64, ids_dtype=torch.int64, device="cpu", seed=0, route=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
+    if route is None:
+        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    else:
+        ids = route(T, E, K, g)
+    ids = ids.to(device, ids_dtype).contiguous()
+    w = torch.rand(T, K, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
+    w_gate_up = (torch.randn(E, 2 * h, d, generator=g, dtype=torch.float64) / d**0.5).to(device, dtype).requires_grad_()
+    w_down = (torch.randn(E, d, h, generator=g, dtype=torch.float64) / h**0.5).to(device, dtype).requires_grad_()
+    return x, ids, w, w_gate_up, w_down
+
+
+def _all_to_expert_zero(T, E, K, g):
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    ids[:, 0] = 0
+    ids[:, 1:] = torch.where(ids[:, 1:] == 0, E - 1, ids[:, 1:])
+    return ids
+
+
+def _with_sentinels(T, E, K, g):
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    ids[::3, 0] = E  # "no expert": contributes nothing
+    ids[1::5, -1] = E + 7
+    return ids
+
+
+def _skip_last_experts(T, E, K, g):  # experts E-2 and E-1 get no token
+    return torch.rand(T, E - 2, generator=g).argsort(dim=1)[:, :K]
+
+
+ROUTES = {"random": None, "all-on-expert-0": _all_to_expert_zero, "sentinel-ids": _with_sentinels,
+          "empty-experts": _skip_last_experts}
+
+
+def _check(T, d, h, E, K, checkpoint, route, ids_dtype=torch.int64, dtype=torch.float64, device="cpu", tol=1e-10):
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype, ids_dtype, device, route=ROUTES[route])
+    y = moe_ffn(x, ids, w, wgu, wd, checkpoint=checkpoint)
+    ref = moe_ffn_reference(x, ids, w, wgu, wd)
+    assert y.dtype == x.dtype and y.shape == (T, d)
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+    if T == 0:
+        return
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(y, (x, w, wgu, wd), g)
+    want = torch.autograd.grad(ref, (x, w, wgu, wd), g)
+    for name, a, b in zip(("x", "weights", "w_gate_up", "w_down"), got, want):
+        rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert rel <= tol, f"gradient of {name}: relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize(
+    "T,d,h,E,K",
+    [
+        (13, 8, 6, 4, 2),  # T not a multiple of anything
+        (1, 8, 6, 4, 2),  # one token
+        (7, 5, 3, 3, 3),  # K = E: every expert on every token
+        (40, 16, 12, 8, 1),  # top-1
+    ],
+    ids=lambda v: str(v),
+)
+def test_matches_reference_float64(T, d, h, E, K, checkpoint, route):
+    if route == "empty-experts" and E - 2 < K:
+        pytest.skip("needs E - 2 >= K experts to leave two empty")
+    _check(T, d, h, E, K, checkpoint, route)
+
+
+def test_int32_ids_and_zero_tokens():
+    _check(9, 8, 6, 4, 2, "activations", "random", ids_dtype=torch.int32)
+    _check(0, 8, 6, 4, 2, "activations", "random")  # T = 0: an empty batch
+
+
+def test_weights_in_another_dtype():
+    x, ids, w, wgu, wd = _inputs(11, 8, 6, 4, 2, dtype=torch.float32)
+    w32 = w.detach().double().requires_grad_()
+    y = moe_ffn(x, ids, w32, wgu, wd)
+    assert y.dtype == torch.float32
+    (gw,) = torch.autograd.grad(y.sum(), (w32,))
+    assert gw.dtype == torch.float64
+    torch.testing.assert_close(y, moe_ffn_reference(x, ids, w, wgu, wd), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+def test_opcheck(checkpoint):
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2)
+    torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default, (x, ids, w, wgu, wd, "swiglu", checkpoint))
+
+
+def _saved(fn):
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return list(storages.values())
+
+
+@pytest.mark.parametrize("checkpoint,preact_saved", [("activations", True), ("recompute", False)])
+def test_memory_policy_saves_no_routed_copy(checkpoint, preact_saved):
+    T, d, h, E, K = 32, 16, 24, 4, 2
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+    saved = _saved(lambda: moe_ffn(x, ids, w, wgu, wd, checkpoint=checkpoint))
+    shapes = [s for s, _, _ in saved]
+    assert (T * K, d) not in shapes  # never the routed [T*K, d] copy of the tokens
+    assert ((T * K, 2 * h) in shapes) == preact_saved
+    params = {wgu.untyped_storage().data_ptr(), wd.untyped_storage().data_ptr()}
+    activation_bytes = sum(n for s, _, n in saved if s not in ((E, 2 * h, d), (E, d, h)))
+    expected = T * d * 4 + T * K * (8 + 4) + (T * K * 2 * h * 4 if preact_saved else 0)
+    # plus the int32 index structures: E+1 offsets, 2*T*K maps, 2 tile arrays of T*K//64 + E
+    expected += 4 * (E + 1 + 2 * T * K + 2 * (T * K // 64 + E))
+    assert activation_bytes == expected
+    assert len(params) == 2
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda a: a.update(x=a["x"][None]), "x must be [T, d]"),
+        (lambda a: a.update(ids=a["ids"].float()), "ids must be int32 or int64"),
+        (lambda a: a.update(ids=a["ids"][:-1], weights=a["weights"][:-1]), "must both be [T, K]"),
+        (lambda a: a.update(w_gate_up=a["w_gate_up"][:, :, :-1]), "x has d ="),
+        (lambda a: a.update(w_down=a["w_down"][:-1]), "w_down must be [E, d, h]"),
+        (lambda a: a.update(x=a["x"].half()), "must share a dtype"),
+        (lambda a: a.update(x=a["x"].int()), "unsupported dtype"),
+        (lambda a: a.update(activation="tanh"), "unknown activation"),
+        (lambda a: a.update(checkpoint="everything"), "unknown checkpoint policy"),
+        (lambda a: a["ids"].__setitem__((0, 0), -1), "negative expert ids"),
+    ],
+    ids=["x-rank", "ids-dtype", "T-mismatch", "d-mismatch", "E-mismatch", "dtype-mismatch", "int-x", "activation",
+         "policy", "negative-id"],
+)
+def test_bad_input_is_a_clear_error(mutate, message):
+    x, ids, w, wgu, wd = _inputs(6, 8, 6, 4, 2, dtype=torch.float32)
+    args = dict(x=x.detach(), ids=ids, weights=w.detach(), w_gate_up=wgu.detach(), w_down=wd.detach())
+    kwargs = {}
+    mutate(args)
+    for key in ("activation", "checkpoint"):
+        if key in args:
+            kwargs[key] = args.pop(key)
+    with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("]", r"\]")):
+        moe_ffn(**args, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+@pytest.mark.parametrize("T,d,h,E,K", [(1000, 256, 192, 8, 2), (333, 128, 96, 16, 4), (64, 64, 64, 4, 4)],
+                         ids=lambda v: str(v))
+def test_cuda_bfloat16_against_float32_reference(T, d, h, E, K, checkpoint):
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda")
+    y = moe_ffn(x, ids, w, wgu, wd, checkpoint=checkpoint)
+    leaves32 = [t.detach().float().requires_grad_() for t in (x, w, wgu, wd)]
+    ref = moe_ffn_reference(leaves32[0], ids, leaves32[1], leaves32[2], leaves32[3])
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(y, (x, w, wgu, wd), g.bfloat16())
+    want = torch.autograd.grad(ref, leaves32, g)
+    for name, a, b in zip(("y", "x", "weights", "w_gate_up", "w_down"), (y, *got), (ref, *want)):
+        rel = ((a.float() - b).norm() / b.norm()).item()
+        assert rel <= 1e-2, f"{name}: relative error {rel:.3g}"
+    assert moeblaze_fx.moe_ffn(x, ids, w, wgu, wd, checkpoint=checkpoint).equal(y)  # deterministic
