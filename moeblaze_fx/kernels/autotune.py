@@ -131,10 +131,10 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     if kind == "up":  # two accumulators (gate, up) of block_m x block_n
         cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
-    elif kind == "dh":  # one accumulator, then an epilogue holding dH', A, B (block_n=128 spills there
-        # under Triton 3.9 for sm_90: 1.2 KB of stack; block_n=64 does not): let the timings decide
+    elif kind == "dh":  # one accumulator, then an epilogue holding dH', A, B: block_n=128 spills there
+        # (1 KB of stack, Triton 3.9 for sm_90); block_n=64 does not (251-255 registers)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4),
-                KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)]
+                KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=3)]
     elif kind == "dh_recompute":  # three accumulators: dH', A, B (170-175 registers, no spills)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=32, num_warps=8, num_stages=4)]
