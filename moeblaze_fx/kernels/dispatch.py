@@ -133,14 +133,17 @@ def _dispatch_histogram_kernel(
     stride_ids_k,
     stride_counts_c,
     CHUNK: tl.constexpr,  # C, pairs per program
+    BLOCK: tl.constexpr,  # pairs per step (divides C)
     HIST_BINS: tl.constexpr,  # power of two >= max(E, 32)
 ):
-    """grid (nc,): program c counts the pairs [c*C, (c+1)*C) per expert."""
+    """grid (nc,): program c counts the pairs [c*C, (c+1)*C) per expert, BLOCK pairs at a time."""
     c = tl.program_id(0)
-    p = c * CHUNK + tl.arange(0, CHUNK)
-    live = p < N
-    b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
-    counts = tl.histogram(tl.where(routed, b, 0), HIST_BINS, mask=routed)
+    counts = tl.zeros([HIST_BINS], dtype=tl.int32)
+    for s in range(0, CHUNK, BLOCK):
+        p = c * CHUNK + s + tl.arange(0, BLOCK)
+        live = p < N
+        b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
+        counts += tl.histogram(tl.where(routed, b, 0), HIST_BINS, mask=routed)
     e = tl.arange(0, HIST_BINS)
     tl.store(counts_ptr + c.to(tl.int64) * stride_counts_c + e, counts, mask=e < E)
 
@@ -368,7 +371,8 @@ def dispatch_forward(
 
     _dispatch_histogram_kernel[(num_chunks,)](
         ids, chunk_base, N, K, E, ids.stride(0), ids.stride(1), chunk_base.stride(0),
-        CHUNK=chunk, HIST_BINS=max(triton.next_power_of_2(E), 32), num_warps=config.num_warps,
+        CHUNK=chunk, BLOCK=min(chunk, 16 * 32 * config.num_warps), HIST_BINS=max(triton.next_power_of_2(E), 32),
+        num_warps=config.num_warps,
     )
     _dispatch_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
         chunk_base, totals, num_chunks, E, chunk_base.stride(0),
