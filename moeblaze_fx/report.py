@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any, Optional
 
-__all__ = ["RegionRecord", "last_report", "all_reports", "format_table", "emit"]
+__all__ = ["RegionRecord", "last_report", "all_reports", "format_table", "emit", "write_json", "discard_last"]
 
 log = logging.getLogger("moeblaze_fx")
 _reports: list[list["RegionRecord"]] = []
@@ -53,6 +53,12 @@ class RegionRecord:
 def last_report() -> list[RegionRecord]:
     """The records of the most recently compiled graph (empty before any compile)."""
     return list(_reports[-1]) if _reports else []
+
+
+def discard_last() -> None:
+    """Forget the most recent graph's records (its compile was abandoned)."""
+    if _reports:
+        _reports.pop()
 
 
 def all_reports() -> list[list[RegionRecord]]:
@@ -88,7 +94,8 @@ def format_table(records: list[RegionRecord]) -> str:
     return "\n".join(lines)
 
 
-def emit(records: list[RegionRecord], json_path: Optional[str]) -> None:
+def emit(records: list[RegionRecord]) -> None:
+    """Log the records, emit the trace artifact and keep them for ``last_report()``."""
     _reports.append(list(records))
     if records:
         log.info("%s", format_table(records))
@@ -103,11 +110,14 @@ def emit(records: list[RegionRecord], json_path: Optional[str]) -> None:
         )
     except ImportError:  # pragma: no cover - every supported torch has it
         pass
-    if json_path:
-        existing: list[Any] = []
-        if os.path.exists(json_path):
-            with open(json_path) as f:
-                existing = json.load(f)
-        existing.append({"regions": payload})
-        with open(json_path, "w") as f:
-            json.dump(existing, f, indent=2)
+
+
+def write_json(records: list[RegionRecord], path: str) -> None:
+    """Append one graph's records to the JSON list in ``path``."""
+    existing: list[Any] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = json.load(f)
+    existing.append({"regions": [r.as_dict() for r in records]})
+    with open(path, "w") as f:
+        json.dump(existing, f, indent=2)

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .find import SHAPE_ONLY_NAMES, Candidate, example_value
+from .find import SHAPE_ONLY_NAMES, Candidate, example_value, same_size
+
 from .normalize import canonical_name, role
 
 __all__ = ["Extraction", "Role", "Layout", "extract"]
@@ -211,8 +212,8 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     others = [n for n in data_inputs if not example_value(n).is_floating_point()]
     if others:
         return f"the region reads non-float tensors other than the ids: {[n.name for n in others]}"
-    xs = [n for n in floats if example_value(n).shape[-1] == d and example_value(n).numel() == T * d]
-    ws = [n for n in floats if n not in xs and example_value(n).numel() == T * K]
+    xs = [n for n in floats if same_size(example_value(n).shape[-1], d) and same_size(example_value(n).numel(), T * d)]
+    ws = [n for n in floats if n not in xs and same_size(example_value(n).numel(), T * K)]
     if len(xs) != 1 or len(ws) != 1 or len(floats) != 2:
         return (f"expected the region to read tokens [T, d] and combine weights [T, K] besides the ids and "
                 f"parameters; it reads {[(n.name, tuple(example_value(n).shape)) for n in floats]}")

@@ -95,13 +95,16 @@ def _ids_of(topk: fx.Node) -> Optional[fx.Node]:
 
 
 def _is_static(node: fx.Node, static: set[fx.Node], params: set[fx.Node]) -> bool:
-    """A node whose value depends only on parameters and constants."""
+    """A node whose value depends only on parameters, constants and sizes (``arange(s0 * 2)``)."""
     if node in params or node.op == "get_attr":
         return True
     if node.op not in ("call_function", "call_method") or canonical_name(node) in _RANDOM_NAMES:
         return False
-    inputs = node.all_input_nodes
-    return all(i in static or i in params or i.op == "get_attr" for i in inputs)
+    return all(i in static or i in params or i.op == "get_attr" or _is_size(i) for i in node.all_input_nodes)
+
+
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(example_value(node), (int, torch.SymInt))
 
 
 def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]:
@@ -181,7 +184,7 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
     while node.op != "output":
         val = example_value(node)
         if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 2:
-            if _same(val.numel(), T * val.shape[-1]):
+            if same_size(val.numel(), T * val.shape[-1]):
                 body = _body(graph, ids, node, order, asserts)
                 if any(role(n) in ("grouped_mm", "matmul") for n in body):
                     return node, body
@@ -189,7 +192,7 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
     return None, set()
 
 
-def _same(a, b) -> bool:
+def same_size(a, b) -> bool:
     """Sizes equal for every value of their symbols (decided without adding guards)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
@@ -207,7 +210,7 @@ def _pull_in_support(body: set[fx.Node], ids: fx.Node, params: set[fx.Node], sta
         val = example_value(node)
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             return True
-        return _same(val.numel(), num_tokens * d) or _same(val.numel(), num_tokens * K)
+        return same_size(val.numel(), num_tokens * d) or same_size(val.numel(), num_tokens * K)
 
     changed = True
     while changed:

@@ -97,12 +97,12 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
             values[node] = torch.randn(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
         elif node is ext.weights:
             values[node] = torch.rand(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
+        elif isinstance(real.get(node, val), torch.SymInt):
+            values[node] = hint_int(real.get(node, val))
         elif node in real:
             values[node] = real[node]
         elif isinstance(val, torch.Tensor):
             values[node] = torch.zeros(_concrete_shape(val), dtype=val.dtype, device=val.device)
-        elif isinstance(val, torch.SymInt):
-            values[node] = hint_int(val)
         else:
             values[node] = val
     return values

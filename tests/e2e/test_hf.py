@@ -142,3 +142,23 @@ getitem = operator.getitem(moe_ffn_default, 0)
 hidden_states_2 = .to(getitem, torch.float32)
 hidden_states_3 = .reshape(hidden_states_2, 2, 5, 32)
 return (hidden_states_3,)""")
+
+
+def test_dynamic_token_count_one_compile(tmp_path):
+    """dynamic=True: T is symbolic, one compile serves every sequence length (Inductor's restart of
+    the frame does not double-count), and the JSON report holds that one graph."""
+    model = build("mixtral", "grouped_mm", torch.float32)
+    path = tmp_path / "report.json"
+    compiled = torch.compile(model, backend="moeblaze", dynamic=True, options={"report": str(path)})
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for seq in (5, 9, 13):
+        tokens = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(seq))
+        torch.testing.assert_close(compiled(tokens).logits, model(tokens).logits, rtol=1e-4, atol=1e-5)
+    assert dict(counters["moeblaze"]) == {"rewritten": LAYERS}
+    import json
+
+    (graph,) = json.loads(path.read_text())
+    assert [r["status"] for r in graph["regions"]] == ["rewritten"] * LAYERS
+    assert all("s" in r["T"] for r in graph["regions"])  # a symbolic token count
