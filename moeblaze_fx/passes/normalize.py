@@ -125,22 +125,23 @@ def _role_of(node: fx.Node) -> Optional[str]:
     return ROLE_OF.get(name)
 
 
+def _is_view(node: fx.Node) -> bool:
+    """True when a node's result may share storage with its first input."""
+    name = canonical_name(node)
+    if name in _VIEW_NAMES:
+        return True
+    if name != "getitem" or isinstance(_example(node.args[0]), (tuple, list)):
+        return False  # an element of an op's tuple output (topk values, sort indices, ...) is no view
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    # advanced indexing with a tensor copies; basic indexing returns a view
+    return not any(isinstance(_example(i), torch.Tensor) for i in index)
+
+
 def _is_fresh(node: fx.Node) -> bool:
     """True when the tensor a node produces shares storage with nothing else in the graph."""
     if node.op not in ("call_function", "call_method"):
         return False  # graph inputs, parameters: mutating them is visible to the caller
-    name = canonical_name(node)
-    if name in _VIEW_NAMES:
-        return False
-    if name == "getitem":
-        container = _example(node.args[0])
-        if isinstance(container, (tuple, list)):
-            return True  # an element of an op's tuple output (topk values, sort indices, ...)
-        index = node.args[1]
-        index = index if isinstance(index, tuple) else (index,)
-        # advanced indexing with a tensor copies; basic indexing returns a view
-        return any(isinstance(_example(i), torch.Tensor) for i in index)
-    return isinstance(_example(node), torch.Tensor)
+    return not _is_view(node) and isinstance(_example(node), torch.Tensor)
 
 
 def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
@@ -166,9 +167,7 @@ def _functionalize(graph: fx.Graph) -> int:
         base = node.args[0]
         if not _is_fresh(base):
             continue
-        earlier_views = [
-            u for u in base.users if order[u] < order[node] and canonical_name(u) in _VIEW_NAMES
-        ]
+        earlier_views = [u for u in base.users if order[u] < order[node] and _is_view(u)]
         if earlier_views:
             continue  # a view taken before the update would see it: keep the mutation
         target, kind = found

@@ -1,0 +1,83 @@
+"""The normalizer: one vocabulary of roles, in-place updates made functional, nothing else changed."""
+import expecttest
+import torch
+import torch.nn.functional as F
+
+from moeblaze_fx.passes import format_graph
+from moeblaze_fx.passes.normalize import normalize, role
+
+
+def _graph(fn, *inputs):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
+    return graphs[0]
+
+
+def router_and_inplace(x, w):
+    probs = F.softmax(x @ w, dim=-1)
+    vals, ids = probs.topk(2, dim=-1)
+    vals /= vals.sum(-1, keepdim=True)  # in place on a fresh tensor: made functional
+    out = torch.zeros_like(x)
+    order = ids.flatten().argsort(stable=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())  # setitem: made functional
+    out.index_add_(0, order // 2, x.repeat_interleave(2, 0)[order])  # made functional
+    return out * vals.sum(-1, keepdim=True) + inv.sum()
+
+
+def mutates_a_view(x):
+    out = torch.zeros(4, 4)
+    row = out[0]  # a view of out
+    out.add_(1)  # must stay in place: row sees it
+    return row + x.sum()
+
+
+class TestNormalize(expecttest.TestCase):
+    def test_roles_and_functional_form(self):
+        gm = normalize(_graph(router_and_inplace, torch.randn(6, 4), torch.randn(4, 3)))
+        roles = {n.name: role(n) for n in gm.graph.nodes if role(n)}
+        self.assertEqual(roles, {"topk": "topk", "order": "dispatch", "repeat_interleave": "dispatch",
+                                 "setitem_functional": "combine", "index_add__functional": "combine",
+                                 "matmul": "matmul"})
+        self.assertExpectedInline(format_graph(gm), """\
+l_x = input
+l_w = input
+matmul = operator.matmul(l_x, l_w)
+probs = torch.softmax(matmul, dim=-1)
+topk = .topk(probs, 2, dim=-1)
+vals = operator.getitem(topk, 0)
+ids = operator.getitem(topk, 1)
+sum_1 = .sum(vals, -1, keepdim=True)
+vals_1_functional = operator.truediv(vals, sum_1)
+out = torch.zeros_like(l_x)
+flatten = .flatten(ids)
+order = .argsort(flatten, stable=True)
+inv = torch.empty_like(order)
+arange = torch.arange(12)
+setitem_functional = moeblaze_fx.passes.normalize.functional_setitem(inv, order, arange)
+floordiv = operator.floordiv(order, 2)
+repeat_interleave = .repeat_interleave(l_x, 2, 0)
+getitem_2 = operator.getitem(repeat_interleave, order)
+index_add__functional = .index_add(out, 0, floordiv, getitem_2)
+sum_2 = .sum(vals_1_functional, -1, keepdim=True)
+mul = operator.mul(index_add__functional, sum_2)
+sum_3 = .sum(setitem_functional)
+add = operator.add(mul, sum_3)
+return (add,)""")
+
+    def test_function_is_unchanged(self):
+        x, w = torch.randn(6, 4), torch.randn(4, 3)
+        gm = normalize(_graph(router_and_inplace, x, w))
+        torch.testing.assert_close(gm(x, w)[0], router_and_inplace(x, w))
+
+    def test_mutation_seen_through_a_view_stays(self):
+        x = torch.randn(3)
+        gm = normalize(_graph(mutates_a_view, x))
+        self.assertIn("add_", [str(n.target) for n in gm.graph.nodes])
+        torch.testing.assert_close(gm(x)[0], mutates_a_view(x))
