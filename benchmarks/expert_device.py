@@ -310,6 +310,84 @@ def time_config(name, inp, policy):
                 kernels_ms=dict(sorted(breakdown.items(), key=lambda kv: -kv[1])))
 
 
+def micro(result) -> None:
+    """Variants of the backward kernels at config A, raw launches (no autotuner), to see what limits them."""
+    T, d, h, E, K = CONFIGS["A"]
+    N = T * K
+    inp = make_inputs(T, d, h, E, K, seed=2)
+    plan = dispatch_with_fallback(inp["ids"], E, plan_block_m())
+    x, gy, w, wgu, wd = inp["x"], inp["grad_y"], inp["weights"], inp["w_gate_up"], inp["w_down"]
+    _, preact = expert_forward(x, w, wgu, wd, plan, "swiglu", True)
+    dpre = torch.randn(N, 2 * h, device=DEVICE, dtype=DTYPE)
+    hw = torch.randn(N, h, device=DEVICE, dtype=DTYPE)
+    tok = (plan.token_index.long() // K)
+    gy_slots, x_slots = gy[tok], x[tok]  # pre-gathered copies: only to measure what the gather costs
+    out_dd = torch.empty_like(wd)
+    out_dgu = torch.empty_like(wgu)
+    rows = []
+    kern = expert_bwd._expert_dw_kernel
+    off = plan.offsets
+
+    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm):
+        m_dim, n_dim = out.shape[1], out.shape[2]
+        grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
+        kern[grid](a, b, out, plan.token_index, off, m_dim, n_dim, K, a.stride(0), a.stride(1), b.stride(0),
+                   b.stride(1), out.stride(0), out.stride(1), out.stride(2), GATHER_A=gather_a, GATHER_B=gather_b,
+                   DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
+
+    flops_dd, flops_dgu = 2 * N * d * h, 4 * N * d * h
+    variants = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (256, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 1),
+                (128, 128, 128, 8, 3, 8), (128, 256, 32, 8, 5, 8)]
+    for v in variants:
+        try:
+            ms1 = bench(lambda: dw_launch(gy, hw, True, False, out_dd, *v), warmup=50, rep=200)
+            ms2 = bench(lambda: dw_launch(dpre, x, False, True, out_dgu, *v), warmup=50, rep=200)
+            rows.append(dict(kernel="dw", variant=str(v), dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
+                             dW_gu_ms=ms2, dW_gu_tflops=flops_dgu / ms2 / 1e9))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(kernel="dw", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+        log(f"micro {rows[-1]}")
+    v = variants[0]
+    ms1 = bench(lambda: dw_launch(gy_slots, hw, False, False, out_dd, *v), warmup=50, rep=200)
+    ms2 = bench(lambda: dw_launch(dpre, x_slots, False, False, out_dgu, *v), warmup=50, rep=200)
+    rows.append(dict(kernel="dw no gather (pre-gathered copies)", variant=str(v), dW_down_ms=ms1,
+                     dW_down_tflops=flops_dd / ms1 / 1e9, dW_gu_ms=ms2, dW_gu_tflops=flops_dgu / ms2 / 1e9))
+    log(f"micro {rows[-1]}")
+    bounds = off.tolist()
+
+    def cublas(a, b, out):
+        for e in range(E):
+            lo, hi = bounds[e], bounds[e + 1]
+            torch.mm(a[lo:hi].t(), b[lo:hi], out=out[e])
+    ms1 = bench(lambda: cublas(gy_slots, hw, out_dd), warmup=50, rep=200)
+    ms2 = bench(lambda: cublas(dpre, x_slots, out_dgu), warmup=50, rep=200)
+    rows.append(dict(kernel="cuBLAS per-expert mm (pre-gathered)", dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
+                     dW_gu_ms=ms2, dW_gu_tflops=flops_dgu / ms2 / 1e9))
+    log(f"micro {rows[-1]}")
+
+    part = torch.zeros(h // 64 + 8, N, device=DEVICE, dtype=torch.float32)
+    num_tiles = plan.tile_expert.numel()
+    for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 1, 8), (64, 64, 8, 4, 2, 8), (64, 64, 8, 3, 2, 8),
+                                      (64, 128, 8, 3, 2, 8), (64, 64, 8, 4, 2, 16), (128, 64, 8, 3, 1, 8)]:
+        grid = (num_tiles * triton.cdiv(h, bn * split),)
+        try:
+            ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
+                gy, x, wgu, wd, w, preact, dpre, hw, part, plan.token_index, off, plan.tile_expert, plan.tile_start,
+                num_tiles, d, h, K, gy.stride(0), gy.stride(1), x.stride(0), x.stride(1), wgu.stride(0), wgu.stride(1),
+                wgu.stride(2), wd.stride(0), wd.stride(1), wd.stride(2), w.stride(0), w.stride(1), preact.stride(0),
+                preact.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1), part.stride(0),
+                RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64, SPLIT_N=split, BLOCK_M=plan_block_m(),
+                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
+            rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+        log(f"micro {rows[-1]}")
+    result["micro"] = rows
+    del inp, preact, dpre, hw, gy_slots, x_slots, out_dd, out_dgu, part
+    if not DRY:
+        torch.cuda.empty_cache()
+
+
 def tuned_choices():
     out = {}
     mods = (expert_fwd, expert_bwd)
@@ -365,6 +443,9 @@ def main(outdir: str) -> None:
             rec = dict(shape=(T, d, h, E, K), ids=mode, policy=policy, errs=errs, bitwise=bitwise)
             result["small"].append(rec)
             log(f"small {rec}")
+
+    if os.environ.get("MB_MICRO") == "1":
+        micro(result)
 
     # 2b + 3. configs A-D: correctness vs the fp32 torch path, then timing
     for name, (T, d, h, E, K) in CONFIGS.items():
@@ -425,7 +506,8 @@ def main(outdir: str) -> None:
     for r in result["timing"]:
         if r["kernels_ms"]:
             print(f"{r['config']} kernels (ms): " + ", ".join(f"{k.split('(')[0]}={v}" for k, v in list(r["kernels_ms"].items())[:9]))
-    print(json.dumps(result["autotune"])[:3000])
+    for r in result.get("micro", []):
+        print("micro", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()})
     print(table)
 
 

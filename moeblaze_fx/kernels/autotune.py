@@ -61,9 +61,14 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    split_n: int = 1  # dh only: side-by-side block_n tiles per program (1 or 2)
 
     def meta(self, kind: str) -> dict[str, int]:
         """The constexpr meta-parameters this config sets for kernels of ``kind``."""
+        if kind == "dh":
+            return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m, "SPLIT_N": self.split_n}
+        if kind == "dh_recompute":  # three accumulators already: never split
+            return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m, "SPLIT_N": 1}
         if kind in _TILE_KINDS:  # BLOCK_M comes from the plan
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
         if kind == "dw":
@@ -102,6 +107,8 @@ def pinned_config() -> KernelConfig | None:
         v = getattr(cfg, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"{ENV_VAR}={spec!r}: {name} must be a power of two >= 16, got {v}")
+    if cfg.split_n not in (1, 2):
+        raise ValueError(f"{ENV_VAR}={spec!r}: split_n must be 1 or 2, got {cfg.split_n}")
     return cfg
 
 
@@ -131,10 +138,12 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     if kind == "up":  # two accumulators (gate, up) of block_m x block_n
         cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
-    elif kind == "dh":  # one accumulator, then an epilogue holding dH', A, B: block_n=128 spills there
-        # (1 KB of stack, Triton 3.9 for sm_90); block_n=64 does not (251-255 registers)
-        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4),
-                KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=3)]
+    elif kind == "dh":  # one dH' accumulator, then an epilogue holding dH', A, B. A 128x64 tile is L2-bound
+        # (43 FLOP per byte loaded; run 1: 268 TFLOP/s); block_n=128 spills 1 KB in the epilogue; split_n=2
+        # runs the GEMM 128 wide and the epilogue 64 columns at a time (56 B of stack, Triton 3.9 for sm_90)
+        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, split_n=2),
+                KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3, split_n=2),
+                KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, split_n=1)]
     elif kind == "dh_recompute":  # three accumulators: dH', A, B (170-175 registers, no spills)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=32, num_warps=8, num_stages=4)]
@@ -147,7 +156,7 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
     if kind in ("dh", "dh_recompute"):
-        assert all(c.block_n % _DWEIGHTS_CHUNK == 0 for c in cfgs)
+        assert all(c.block_n % _DWEIGHTS_CHUNK == 0 and c.block_n * c.split_n <= 256 for c in cfgs)
     return cfgs
 
 

@@ -43,9 +43,72 @@ __all__ = ["expert_backward"]
 _MAX_DH_BLOCK_N = 256
 
 
+@triton.jit
+def _dh_epilogue(
+    acc_dh, acc_a, acc_b,  # [BLOCK_M, BLOCK_N] fp32: dH', and A, B when RECOMPUTE
+    col0, start, end, pair, wt, h,
+    preact_ptr,  # [N, 2h] x.dtype, read unless RECOMPUTE
+    dpre_ptr,  # [N, 2h] x.dtype, out
+    hw_ptr,  # [N, h] x.dtype, out
+    part_ptr,  # [num_chunks, N] fp32, out
+    stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
+    RECOMPUTE: tl.constexpr, CHUNK_N: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """SwiGLU backward for hidden columns [col0, col0 + BLOCK_N) of rows [start, end) (at most BLOCK_M), silu
+    recomputed here. Addresses are a scalar 64-bit base per tile plus int32 offsets inside it: per-element
+    64-bit pointers cost two registers each and made this epilogue spill."""
+    io_ty = dpre_ptr.dtype.element_ty
+    BLOCK_M: tl.constexpr = wt.shape[0]
+    local = tl.arange(0, BLOCK_M)
+    row_mask = local < end - start
+    local_ld = tl.minimum(local, end - 1 - start)
+    start64 = start.to(tl.int64)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    if RECOMPUTE:  # round as the forward did, so both policies see the same A|B
+        a = acc_a.to(io_ty).to(tl.float32)
+        b = acc_b.to(io_ty).to(tl.float32)
+    else:
+        if EVEN_N:
+            offs_n_ld = offs_n
+        else:
+            offs_n_ld = offs_n % h
+        pre_base = preact_ptr + start64 * stride_pre_s
+        pre_offs = local_ld[:, None] * stride_pre_s + offs_n_ld[None, :] * stride_pre_n  # int32 inside the tile
+        a = tl.load(pre_base + pre_offs).to(tl.float32)
+        b = tl.load(pre_base + h * stride_pre_n + pre_offs).to(tl.float32)
+    sig = tl.sigmoid(a)
+    silu = a * sig
+    hid = silu * b
+    # <dH', H> over these columns; wrapped columns (offs_n >= h) must not count.
+    prod = acc_dh * hid
+    if not EVEN_N:
+        prod = tl.where((offs_n < h)[None, :], prod, 0.0)
+    part = tl.sum(prod, axis=1)  # [BLOCK_M]
+    d_hid = acc_dh * wt[:, None]
+    d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
+    d_b = d_hid * silu
+
+    if EVEN_N:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (offs_n < h)[None, :]
+    dpre_base = dpre_ptr + start64 * stride_dpre_s
+    dpre_offs = local[:, None] * stride_dpre_s + offs_n[None, :] * stride_dpre_n
+    tl.store(dpre_base + dpre_offs, d_a.to(io_ty), mask=mask)
+    tl.store(dpre_base + h * stride_dpre_n + dpre_offs, d_b.to(io_ty), mask=mask)
+    tl.store(hw_ptr + start64 * stride_hw_s + (local[:, None] * stride_hw_s + offs_n[None, :] * stride_hw_n),
+             (hid * wt[:, None]).to(io_ty), mask=mask)
+    # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
+    # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0.
+    part_ptrs = part_ptr + (col0 // CHUNK_N) * stride_part_c + pair.to(tl.int64)
+    tl.store(part_ptrs, part, mask=row_mask)
+    for j in tl.static_range(1, BLOCK_N // CHUNK_N):
+        tl.store(part_ptrs + j * stride_part_c, tl.zeros_like(part), mask=row_mask)
+
+
 @triton.heuristics({
     "EVEN_K": lambda a: a["d"] % a["BLOCK_K"] == 0,
-    "EVEN_N": lambda a: a["h"] % a["BLOCK_N"] == 0,
+    "EVEN_N": lambda a: a["h"] % (a["BLOCK_N"] * a["SPLIT_N"]) == 0,
 })
 @triton.jit
 def _expert_dh_kernel(
@@ -75,11 +138,15 @@ def _expert_dh_kernel(
     RECOMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     CHUNK_N: tl.constexpr,
+    SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of dH' (and of A, B) per program."""
-    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
+    """grid = (num_tiles * cdiv(h, SPLIT_N * BLOCK_N),): SPLIT_N side-by-side BLOCK_M x BLOCK_N tiles of dH'
+    per program (SPLIT_N = 2: a 128-wide tile for the GEMM, whose epilogue runs 64 columns at a time so its
+    registers fit), or one tile of dH', A and B (RECOMPUTE, SPLIT_N = 1)."""
+    tl.static_assert(SPLIT_N == 1 or (SPLIT_N == 2 and not RECOMPUTE))
+    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, SPLIT_N * BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)
     if e < 0:
         return
@@ -92,42 +159,45 @@ def _expert_dh_kernel(
     tok = (pair // K).to(tl.int64)
     e64 = e.to(tl.int64)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        offs_n_ld = offs_n
-    else:
-        offs_n_ld = offs_n % h
+    col0 = pid_n * (SPLIT_N * BLOCK_N)
+    offs_n0 = col0 + tl.arange(0, BLOCK_N)
+    offs_n1 = offs_n0 + BLOCK_N
+    if not EVEN_N:
+        offs_n0 = offs_n0 % h
+        offs_n1 = offs_n1 % h
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = grad_y_ptr + tok[:, None] * stride_g_t + offs_k[None, :] * stride_g_d  # [BLOCK_M, BLOCK_K]
-    wd_ptrs = (w_down_ptr + e64 * stride_wd_e
-               + offs_k[:, None] * stride_wd_d + offs_n_ld[None, :] * stride_wd_n)  # [BLOCK_K, BLOCK_N]
+    wd_e = w_down_ptr + e64 * stride_wd_e
+    wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
+    wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
     x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
     wg_ptrs = (w_gu_ptr + e64 * stride_wgu_e
-               + offs_n_ld[None, :].to(tl.int64) * stride_wgu_n + offs_k[:, None] * stride_wgu_d)  # [BLOCK_K, BLOCK_N]
+               + offs_n0[None, :].to(tl.int64) * stride_wgu_n + offs_k[:, None] * stride_wgu_d)  # [BLOCK_K, BLOCK_N]
     wu_ptrs = wg_ptrs + h * stride_wgu_n
-
-    if not RECOMPUTE:
-        # Issue the saved A|B loads before the main loop: their latency hides behind it instead of
-        # stalling the epilogue (measured: the epilogue-bound dh kernel ran at ~270 TFLOP/s on config A).
-        pre_ptrs = preact_ptr + rows_ld.to(tl.int64)[:, None] * stride_pre_s + offs_n_ld[None, :] * stride_pre_n
-        a_saved = tl.load(pre_ptrs)  # [BLOCK_M, BLOCK_N] x.dtype
-        b_saved = tl.load(pre_ptrs + h * stride_pre_n)
     wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k).to(tl.float32)
 
-    acc_dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_dh0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_dh1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, d, BLOCK_K):
         if EVEN_K:
             g = tl.load(g_ptrs)
-            wd = tl.load(wd_ptrs)
+            wd0 = tl.load(wd0_ptrs)
         else:
             k_mask = offs_k < d - k0
             g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-            wd = tl.load(wd_ptrs, mask=k_mask[:, None], other=0.0)
-        acc_dh = tl.dot(g, wd, acc_dh, input_precision=DOT_PRECISION)
+            wd0 = tl.load(wd0_ptrs, mask=k_mask[:, None], other=0.0)
+        acc_dh0 = tl.dot(g, wd0, acc_dh0, input_precision=DOT_PRECISION)
         g_ptrs += BLOCK_K * stride_g_d
-        wd_ptrs += BLOCK_K * stride_wd_d
+        wd0_ptrs += BLOCK_K * stride_wd_d
+        if SPLIT_N == 2:
+            if EVEN_K:
+                wd1 = tl.load(wd1_ptrs)
+            else:
+                wd1 = tl.load(wd1_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_dh1 = tl.dot(g, wd1, acc_dh1, input_precision=DOT_PRECISION)
+            wd1_ptrs += BLOCK_K * stride_wd_d
         if RECOMPUTE:
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -143,41 +213,15 @@ def _expert_dh_kernel(
             wg_ptrs += BLOCK_K * stride_wgu_d
             wu_ptrs += BLOCK_K * stride_wgu_d
 
-    io_ty = dpre_ptr.dtype.element_ty
-    rows64 = rows.to(tl.int64)
-    if RECOMPUTE:  # round as the forward did, so both policies see the same A|B
-        a = acc_a.to(io_ty).to(tl.float32)
-        b = acc_b.to(io_ty).to(tl.float32)
-    else:
-        a = a_saved.to(tl.float32)
-        b = b_saved.to(tl.float32)
-    sig = tl.sigmoid(a)
-    silu = a * sig
-    hid = silu * b
-    # <dH', H> over this program's columns; wrapped columns (offs_n >= h) must not count.
-    prod = acc_dh * hid
-    if not EVEN_N:
-        prod = tl.where((offs_n < h)[None, :], prod, 0.0)
-    part = tl.sum(prod, axis=1)  # [BLOCK_M]
-    d_hid = acc_dh * wt[:, None]
-    d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
-    d_b = d_hid * silu
-
-    if EVEN_N:
-        mask = row_mask[:, None]
-    else:
-        mask = row_mask[:, None] & (offs_n < h)[None, :]
-    dpre_ptrs = dpre_ptr + rows64[:, None] * stride_dpre_s + offs_n[None, :] * stride_dpre_n
-    tl.store(dpre_ptrs, d_a.to(io_ty), mask=mask)
-    tl.store(dpre_ptrs + h * stride_dpre_n, d_b.to(io_ty), mask=mask)
-    tl.store(hw_ptr + rows64[:, None] * stride_hw_s + offs_n[None, :] * stride_hw_n,
-             (hid * wt[:, None]).to(io_ty), mask=mask)
-    # Partial sums live in chunks of CHUNK_N columns: this program owns chunks
-    # [pid_n * BLOCK_N / CHUNK_N, (pid_n + 1) * BLOCK_N / CHUNK_N): the first gets the sum, the rest 0.
-    part_ptrs = part_ptr + (pid_n * (BLOCK_N // CHUNK_N)) * stride_part_c + pair.to(tl.int64)
-    tl.store(part_ptrs, part, mask=row_mask)
-    for j in tl.static_range(1, BLOCK_N // CHUNK_N):
-        tl.store(part_ptrs + j * stride_part_c, tl.zeros_like(part), mask=row_mask)
+    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, end, pair, wt, h,
+                 preact_ptr, dpre_ptr, hw_ptr, part_ptr,
+                 stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
+                 RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
+    if SPLIT_N == 2:
+        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, end, pair, wt, h,
+                     preact_ptr, dpre_ptr, hw_ptr, part_ptr,
+                     stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
+                     RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
 
 
 @triton.heuristics({
@@ -333,8 +377,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w_gate_up: Tenso
     pre = dpre if recompute else preact  # placeholder pointer when recomputing, never read
 
     def grid(meta):
-        assert meta["BLOCK_N"] <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
-        return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
+        width = meta["BLOCK_N"] * meta["SPLIT_N"]
+        assert width <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
+        return (num_tiles * triton.cdiv(h, width),)
 
     autotune.launch(
         _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
