@@ -34,6 +34,7 @@ ROLE_OF: dict[str, str] = {
     "histc": "dispatch",
     "bincount": "dispatch",
     "one_hot": "dispatch",
+    "eq": "dispatch",  # ids == e, the per-expert mask of a loop
     "nonzero": "dispatch",
     "repeat_interleave": "dispatch",
     # expert matrix products

@@ -24,12 +24,12 @@ class SwiGLUExpert(nn.Module):
 class ModuleListMoE(nn.Module):
     """Mixtral-style: a ModuleList of experts with separate Linear layers."""
 
-    def __init__(self, d=16, h=24, E=4, K=2, combine="index_add", acts=None):
+    def __init__(self, d=16, h=24, E=4, K=2, combine="index_add", acts=None, mask="one_hot"):
         super().__init__()
         self.gate = nn.Linear(d, E, bias=False)
         acts = acts or [F.silu] * E
         self.experts = nn.ModuleList(SwiGLUExpert(d, h, a) for a in acts)
-        self.E, self.K, self.combine = E, K, combine
+        self.E, self.K, self.combine, self.mask = E, K, combine, mask
 
     def forward(self, hidden):
         B, S, d = hidden.shape
@@ -40,7 +40,10 @@ class ModuleListMoE(nn.Module):
         out = torch.zeros_like(x)
         mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
         for e in range(self.E):
-            k, tok = torch.where(mask[e])
+            if self.mask == "one_hot":
+                k, tok = torch.where(mask[e])
+            else:
+                tok, k = torch.where(ids == e)
             y = self.experts[e](x[tok]) * w[tok, k, None]
             if self.combine == "index_add":
                 out.index_add_(0, tok, y)
@@ -66,11 +69,12 @@ def _x(shape=(2, 5, 16), seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).requires_grad_()
 
 
-@pytest.mark.parametrize("combine", ["index_add", "setitem-iadd"])
+@pytest.mark.parametrize("mask", ["one_hot", "eq"])  # where(one_hot(ids)[e]) or where(ids == e)
+@pytest.mark.parametrize("combine", ["index_add", "setitem-iadd"])  # out.index_add_(...) or out[tok] += ...
 @pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
-def test_modulelist_loop_is_rewritten(combine, checkpoint):
+def test_modulelist_loop_is_rewritten(combine, checkpoint, mask):
     torch.manual_seed(0)
-    got = run_eager_and_compiled(ModuleListMoE(combine=combine), (_x(),),
+    got = run_eager_and_compiled(ModuleListMoE(combine=combine, mask=mask), (_x(),),
                                  options={"inductor": False, "checkpoint": checkpoint})
     assert got == {"rewritten": 1}
 
@@ -147,7 +151,7 @@ return (view_1,)""")
         rewritten_graph(ModuleListMoE(), _x(), options={"checkpoint": "recompute"})
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 1 of 1 MoE candidate(s) rewritten
-  [0] rewritten tests/e2e/test_loop.py:46  per-expert loop [one_hot+where+index_add]
+  [0] rewritten tests/e2e/test_loop.py:49  per-expert loop [one_hot+where+index_add]
       T=10 d=16 h=24 E=4 K=2 float32  policy=recompute  saved for backward: 11.6 KB -> 1.1 KB
       layout: gate|up = cat(experts.*.w1.weight, experts.*.w3.weight), down = experts.*.w2.weight; check: numerical: forward and gradients within rel. error 1e-06 of the operator""")
 
@@ -156,6 +160,6 @@ moeblaze: 1 of 1 MoE candidate(s) rewritten
         rewritten_graph(ModuleListMoE(acts=[F.silu, F.relu, F.silu, F.silu]), _x())
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
-  [0] skipped   tests/e2e/test_loop.py:46  per-expert loop [one_hot+where+index_add]
+  [0] skipped   tests/e2e/test_loop.py:49  per-expert loop [one_hot+where+index_add]
       T=10 d=16 h=24 E=4 K=2 float32
       reason: the region's output differs from the MoE operator (relative error 0.27 > 0.002 for every layout tried)""")
