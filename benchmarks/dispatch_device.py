@@ -23,8 +23,14 @@ import traceback
 import torch
 import triton
 
-from moeblaze_fx.bench.dispatch import format_dispatch_table, format_variant_table, run_dispatch_bench
-from moeblaze_fx.kernels.dispatch import DispatchConfig, dispatch
+from moeblaze_fx.bench.dispatch import (
+    _router_ids,
+    format_dispatch_table,
+    format_variant_table,
+    profile_dispatch,
+    run_dispatch_bench,
+)
+from moeblaze_fx.kernels.dispatch import DispatchConfig, default_config, dispatch
 from moeblaze_fx.kernels.reference import dispatch_reference, max_tiles
 
 FAILS: list[str] = []
@@ -127,14 +133,17 @@ def correctness(results: dict):
     check("peak memory T=1M K=8 E=256", peak_memory)
 
 
-SWEEP_POINTS = [(16384, 2, 8), (16384, 8, 256), (131072, 8, 64), (1 << 20, 8, 8), (1 << 20, 8, 256)]
+SWEEP_POINTS = [(16384, 8, 256), (131072, 8, 64), (1 << 20, 8, 8), (1 << 20, 8, 256)]
+PROFILE_POINTS = [(16384, 8, 256), (131072, 8, 8), (1 << 20, 8, 8), (1 << 20, 8, 256)]
 
 
-def sweep_configs(E):
-    cfgs = {f"sort{c}/{w}": DispatchConfig("sort", c, w) for c, w in [(512, 4), (1024, 4), (2048, 4), (4096, 8)]}
+def sweep_configs(T, K, E):
+    """Pinned variants around the default: block size and warps, a larger chunk, and the other path."""
+    c = default_config(T * K, E).chunk
+    variants = [("sort", c, 256, 2), ("sort", c, 256, 4), ("sort", c, 512, 4), ("sort", 8192, 512, 4)]
     if triton.next_power_of_2(E + 1) <= 16:
-        cfgs.update({f"dense{c}/{w}": DispatchConfig("dense", c, w) for c, w in [(1024, 4), (4096, 4), (8192, 8)]})
-    return cfgs
+        variants += [("dense", c, 64, 4), ("dense", c, 128, 4), ("dense", c, 256, 8), ("dense", 8192, 128, 4)]
+    return {f"{p}{ch}/{b}/{w}": DispatchConfig(p, ch, b, w) for p, ch, b, w in variants if b <= ch}
 
 
 def main():
@@ -162,10 +171,19 @@ def main():
         t0 = time.perf_counter()
         sweep_rows = []
         for T, K, E in SWEEP_POINTS:
-            sweep_rows += run_dispatch_bench((T,), (K,), (E,), configs=sweep_configs(E), peers=False, cuda_graph=False, rep_ms=50)
+            sweep_rows += run_dispatch_bench((T,), (K,), (E,), configs=sweep_configs(T, K, E), peers=False, cuda_graph=False, rep_ms=50)
         results["sweep"] = sweep_rows
-        print(format_variant_table(sweep_rows))
+        for r in sweep_rows:
+            print(f"T={r['T']} K={r['K']} E={r['E']} default {r['moeblaze_ms']:.4f} " + " ".join(
+                f"{n}={v:.4f}" if isinstance(v, float) else f"{n}={v}" for n, v in r["variant_ms"].items()))
         print(f"sweep {time.perf_counter() - t0:.0f}s")
+        profiles = {}
+        for T, K, E in PROFILE_POINTS:
+            prof = profile_dispatch(_router_ids(T, K, E, torch.int64, "cuda", 0), E)
+            profiles[f"{T}x{K}xE{E}"] = prof
+            print(f"profile T={T} K={K} E={E}: host {prof['host_us_per_call']:.1f} us/call; "
+                  + ", ".join(f"{k[:40]} {v:.1f}us" for k, v in prof["kernels_us"].items()))
+        results["profiles"] = profiles
 
     t0 = time.perf_counter()
     rows = run_dispatch_bench()

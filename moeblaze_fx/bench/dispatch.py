@@ -8,8 +8,9 @@ Peers (same process, same inputs, same timer):
 * ``argsort``: ``torch.argsort(stable=True)`` + ``torch.bincount`` + ``cumsum`` + scatter inverse.
 
 Times are medians from ``triton.testing.do_bench`` (device events, warm-up first, the L2 cache flushed
-before every run, so the inputs never sit in cache). ``moeblaze_graph_ms`` is the same dispatch replayed
-from a CUDA graph (``do_bench_cudagraph``: no launch overhead, L2 not flushed). ``floor_us`` is the
+before every run, so the inputs never sit in cache). ``moeblaze_graph_ms`` and ``hf_graph_ms`` replay
+the same calls from a CUDA graph (``do_bench_cudagraph``: no launch overhead, L2 not flushed); the
+argsort peer cannot be captured (``bincount`` synchronises with the host). ``floor_us`` is the
 memory floor: ids read once and ``token_index`` + ``slot_of`` written once at the HBM copy rate.
 """
 from __future__ import annotations
@@ -19,7 +20,14 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from ..kernels.dispatch import DispatchConfig, default_config, dispatch, dispatch_forward
 
-__all__ = ["hf_metadata", "argsort_bincount_metadata", "run_dispatch_bench", "format_dispatch_table"]
+__all__ = [
+    "hf_metadata",
+    "argsort_bincount_metadata",
+    "run_dispatch_bench",
+    "profile_dispatch",
+    "format_dispatch_table",
+    "format_variant_table",
+]
 
 # Measured device-to-device copy rates (read + write), /work/shared/BENCHMARKS.md "Ceilings".
 _HBM_TB_S = {"H100": 3.0, "H200": 4.3}
@@ -100,6 +108,8 @@ def run_dispatch_bench(
                     row["moeblaze_graph_ms"] = do_bench_cudagraph(lambda: dispatch(ids, E, block_m), return_mode="median")
                 if peers:
                     row["hf_ms"] = do_bench(lambda: hf_metadata(ids, E), warmup_ms, rep_ms, return_mode="median")
+                    if cuda_graph:  # sort + histc(min, max given) + cumsum + scatter capture; bincount syncs
+                        row["hf_graph_ms"] = do_bench_cudagraph(lambda: hf_metadata(ids, E), return_mode="median")
                     row["argsort_ms"] = do_bench(
                         lambda: argsort_bincount_metadata(ids, E), warmup_ms, rep_ms, return_mode="median"
                     )
@@ -118,21 +128,51 @@ def run_dispatch_bench(
     return rows
 
 
+def profile_dispatch(ids: torch.Tensor, num_experts: int, config: DispatchConfig | None = None, iters: int = 20) -> dict:
+    """Device time per launch (us, mean over ``iters`` calls, from the profiler) and the host time of
+    one call (us, ``iters * 10`` calls back to back, no synchronisation inside)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = (lambda: dispatch(ids, num_experts)) if config is None else (lambda: dispatch_forward(ids, num_experts, 64, config))
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.count:
+            kernels[evt.key] = getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters * 10):
+        fn()
+    host_us = (time.perf_counter() - t0) / (iters * 10) * 1e6
+    torch.cuda.synchronize()
+    return {"kernels_us": kernels, "host_us_per_call": host_us}
+
+
 def format_dispatch_table(rows: list[dict]) -> str:
     """Markdown table of ``run_dispatch_bench`` rows (times in ms, floor in us)."""
     has_graph = any("moeblaze_graph_ms" in r for r in rows)
     has_peers = any("hf_ms" in r for r in rows)
     head = ["T", "K", "E", "config", "floor us", "moeblaze ms"]
     head += ["moeblaze graph ms"] if has_graph else []
+    has_hf_graph = any("hf_graph_ms" in r for r in rows)
     head += ["HF sort+histc ms", "argsort+bincount ms", "speed-up vs faster peer"] if has_peers else []
+    head += ["HF graph ms", "graph speed-up vs HF graph"] if has_hf_graph else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = r["config"]
-        cells = [str(r["T"]), str(r["K"]), str(r["E"]), f"{c['path']} {c['chunk']}/{c['num_warps']}w"]
+        cells = [str(r["T"]), str(r["K"]), str(r["E"]), f"{c['path']} {c['chunk']}/{c['block']}/{c['num_warps']}w"]
         cells += [f"{r['floor_us']:.1f}", f"{r['moeblaze_ms']:.4f}"]
         cells += [f"{r['moeblaze_graph_ms']:.4f}"] if has_graph else []
         if has_peers:
             cells += [f"{r['hf_ms']:.4f}", f"{r['argsort_ms']:.4f}", f"{r['speedup']:.2f}x"]
+        if has_hf_graph:
+            cells += [f"{r['hf_graph_ms']:.4f}", f"{r['hf_graph_ms'] / r['moeblaze_graph_ms']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

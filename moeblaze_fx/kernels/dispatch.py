@@ -2,8 +2,9 @@
 Triton launches, with no atomics, no global sort and no host synchronisation.
 
 Notation: ``N = T*K`` pairs, pair ``p = t*K + k``; the pairs are cut into ``nc = cdiv(N, C)`` chunks of
-``C`` consecutive pairs (one program each); ``E`` experts; *bin* ``E`` collects the unrouted pairs
-(ids outside ``[0, E)``), which the plan puts after every routed slot, in ascending ``p``.
+``C`` consecutive pairs (one program each), walked ``S`` pairs at a time (a *block*); ``E`` experts;
+*bin* ``E`` collects the unrouted pairs (ids outside ``[0, E)``), which the plan puts after every routed
+slot, in ascending ``p``.
 
 Data flow (forward only; dispatch has no backward, its outputs are integer indices)::
 
@@ -18,38 +19,44 @@ Data flow (forward only; dispatch has no backward, its outputs are integer indic
       v
     chunk_base [nc, E], totals [E] int32
       |  3. _dispatch_scatter_kernel     grid (nt + nc,)
-      |     programs [0, nt): row-tile metadata from totals (searchsorted over cumsum(cdiv(totals, block_m)));
+      |     programs [0, nt): row tiles: binary search of t in cumsum(cdiv(totals, block_m));
       |     programs [nt, nt + nc), chunk c:
-      |       offsets = excl_cumsum(totals) (program of chunk 0 also stores them),
-      |       start[e] = offsets[e] + chunk_base[c, e]  (first slot of chunk c's pairs of expert e),
-      |       start[E] = offsets[E] + unrouted pairs in chunks < c,
-      |       rank of each pair among the chunk's pairs of its bin (stable), slot = start[bin] + rank,
-      |       token_index[slot] = p, slot_of[p] = slot (or -1 when unrouted)
+      |       offsets = excl_cumsum(totals) (chunk 0's program also stores them),
+      |       next[e] = offsets[e] + chunk_base[c, e]  (next free slot of expert e for this chunk),
+      |       next[E] = offsets[E] + unrouted pairs in chunks < c;
+      |       per block of S pairs: rank of each pair among the block's pairs of its bin (stable),
+      |       slot = next[bin] + rank, token_index[slot] = p, slot_of[p] = slot (-1 when unrouted),
+      |       next += the block's histogram
       v
     offsets [E+1], token_index [N], slot_of [N], tile_expert [n_tiles], tile_start [n_tiles]   (int32)
 
-The stable rank inside a chunk takes one of two paths (``DispatchConfig.path``):
+The stable rank inside a block takes one of two paths (``DispatchConfig.path``):
 
-* ``"sort"``: key = bin * C + local index, sorted in registers (a bitonic network over one chunk, as
-  ``tl.sort``; keys are unique, so the order is total and deterministic). The pair at sorted position j
-  of bin b has rank ``j - #{chunk pairs in bins < b}`` (from ``tl.histogram`` of the chunk), so
-  ``slot = (start - excl_cumsum(chunk histogram))[b] + j`` through one ``tl.gather``.
-* ``"dense"`` (few experts): a one-hot [SUB, bins] block and a cumsum along the pairs, SUB pairs at a
-  time with a running count per bin: the paper's dense map, but only a register tile of it.
+* ``"sort"``: key = bin * S + index in the block, sorted in registers (a bitonic network, as
+  ``tl.sort``; keys are unique, so the order is total and deterministic). The pair at sorted position
+  j of bin b has rank ``j - #{block pairs in bins < b}`` (from ``tl.histogram`` of the block), so
+  ``slot = (next - excl_cumsum(block histogram))[b] + j`` through one ``tl.gather``.
+* ``"dense"`` (few experts): a one-hot [S, bins] tile and a cumsum along the pairs: the paper's dense
+  map, but only a register tile of it.
+
+A chunk (the histogram/scan granularity) spans several blocks (the sort granularity) so that the scan
+stays small: with C = 512 = S, 1M x 8 pairs and E = 256 the scratch was 16 MB and the column scan
+32 sequential steps; C = 4096 makes it 2 MB.
 
 Nothing is saved (no backward). Memory: the outputs (``2*N + E + 1 + 2*n_tiles`` int32) plus
-``(nc + 1) * E`` int32 of scratch, ``nc = cdiv(N, C)``: O(T*K + E*chunks), never a T x E map.
-Determinism: every value is a function of the ids alone (integer counts, fixed-order scans, unique
-sort keys, each output element written by exactly one program); no global atomics anywhere.
-``tl.histogram`` counts within one program (its lowering may use shared-memory increments; integer
-counts do not depend on their order).
+``(nc + 1) * E`` int32 of scratch: O(T*K + E*chunks), never a T x E map. Determinism: every value is
+a function of the ids alone (integer counts, fixed-order scans, unique sort keys, each output element
+written by exactly one program); no global atomics anywhere. ``tl.histogram`` counts within one
+program (its lowering may use shared-memory increments; integer counts do not depend on their order).
 
-Floor (H100, ~3.0 TB/s read+write): ids read once (8*N bytes for int64) plus token_index and slot_of
-written once (8*N bytes): T=1M, K=8 -> 128 MB -> ~43 us. This design reads the ids twice (launches 1
-and 3): ~64 MB more, ~64 us of traffic, so ~0.1 ms at 1M x 8 when the in-register sort keeps up.
+Floor (H100 ~3.0 TB/s, H200 ~4.3 TB/s, read + write): ids read once (8*N bytes for int64) plus
+token_index and slot_of written once (8*N bytes): T=1M, K=8 -> 128 MB -> ~43 us (H100), ~30 us (H200).
+This design reads the ids twice (launches 1 and 3), ~64 MB more. Measured first version (H200,
+commit a420f50): 0.35-1.5 ms at 1M x 8, far from the floor: the in-register ranking is the cost
+(chunks of 4096 sorted at once were 4x slower than 512), not the bytes.
 
-``MOEBLAZE_DISPATCH_CONFIG="path,chunk,num_warps"`` (e.g. ``"sort,2048,8"``) pins one configuration,
-for CI and for debugging.
+``MOEBLAZE_DISPATCH_CONFIG="path,chunk,block,num_warps"`` (e.g. ``"sort,4096,512,4"``) pins one
+configuration, for CI and for debugging.
 """
 from __future__ import annotations
 
@@ -78,8 +85,9 @@ _SCAN_BLOCK_E = 8  # 8 experts x 4 B = one 32 B sector per chunk row: coalesced,
 
 
 class DispatchConfig(NamedTuple):
-    path: str  # "sort" or "dense"
-    chunk: int  # pairs per program (power of two)
+    path: str  # "sort" or "dense": how a block's pairs are ranked
+    chunk: int  # C, pairs per program (power of two): the histogram/scan granularity
+    block: int  # S, pairs ranked at a time (power of two, <= chunk)
     num_warps: int
     scan_block_c: int = 512  # chunk rows per step of the column scan (power of two)
 
@@ -139,7 +147,7 @@ def _dispatch_histogram_kernel(
     """grid (nc,): program c counts the pairs [c*C, (c+1)*C) per expert, BLOCK pairs at a time."""
     c = tl.program_id(0)
     counts = tl.zeros([HIST_BINS], dtype=tl.int32)
-    for s in range(0, CHUNK, BLOCK):
+    for s in range(0, tl.minimum(CHUNK, N - c * CHUNK), BLOCK):
         p = c * CHUNK + s + tl.arange(0, BLOCK)
         live = p < N
         b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
@@ -193,10 +201,11 @@ def _dispatch_scatter_kernel(
     stride_ids_k,
     stride_base_c,
     CHUNK: tl.constexpr,  # C, pairs per chunk program
-    LOG_CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,  # S, pairs ranked at a time
+    LOG_BLOCK: tl.constexpr,
     BINS: tl.constexpr,  # power of two >= E + 1 (bin E = unrouted); >= 32 on the sort path
+    LOG_BINS: tl.constexpr,
     DENSE: tl.constexpr,  # rank through a one-hot tile instead of the sort
-    SUB: tl.constexpr,  # dense path: pairs per one-hot tile
     TILE_BLOCK: tl.constexpr,  # row tiles per step of a tile program
     TILES_PER_PROGRAM: tl.constexpr,
 ):
@@ -208,14 +217,20 @@ def _dispatch_scatter_kernel(
     offsets = tl.cumsum(totals, axis=0) - totals  # offsets[b] for b >= E: the routed total
     routed_total = tl.sum(totals, axis=0)
     if pid < num_tile_programs:
-        # Tile t belongs to the expert e with first_tile[e] <= t < first_tile[e] + tiles[e].
+        # Tile t belongs to expert e = #{b : tiles_inclusive[b] <= t}: binary search over the BINS
+        # non-decreasing values (LOG_BINS gathers) instead of comparing with all of them.
         tiles = (totals + block_m - 1) // block_m
         tiles_inclusive = tl.cumsum(tiles, axis=0)
         tiles_exclusive = tiles_inclusive - tiles
+        used_tiles = tl.sum(tiles, axis=0)
         for t0 in range(0, TILES_PER_PROGRAM, TILE_BLOCK):
             t = pid * TILES_PER_PROGRAM + t0 + tl.arange(0, TILE_BLOCK)
-            expert = tl.sum((tiles_inclusive[None, :] <= t[:, None]).to(tl.int32), axis=1)  # BINS past the end
-            used = expert < E
+            expert = tl.zeros([TILE_BLOCK], dtype=tl.int32)
+            for step in tl.static_range(LOG_BINS):
+                candidate = expert + (1 << (LOG_BINS - 1 - step))
+                below = tl.gather(tiles_inclusive, candidate - 1, 0) <= t
+                expert = tl.where(below, candidate, expert)
+            used = t < used_tiles  # then expert < E
             e_idx = tl.minimum(expert, E)
             start = tl.gather(offsets, e_idx, 0) + (t - tl.gather(tiles_exclusive, e_idx, 0)) * block_m
             t_mask = t < n_tiles
@@ -227,35 +242,32 @@ def _dispatch_scatter_kernel(
             tl.store(offsets_ptr + bins, offsets, mask=bins <= E)
         base = tl.load(chunk_base_ptr + c.to(tl.int64) * stride_base_c + bins, mask=bins < E, other=0)
         unrouted_before = c * CHUNK - tl.sum(base, axis=0)  # every chunk before c is full
-        start = tl.where(bins < E, offsets + base, routed_total + unrouted_before)  # only bin E used past E
-        if DENSE:
-            running = start
-            for s in range(0, CHUNK, SUB):
-                p = c * CHUNK + s + tl.arange(0, SUB)
-                live = p < N
-                b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
-                hit = (b[:, None] == bins[None, :]) & live[:, None]  # [SUB, BINS]
-                hit_i = hit.to(tl.int32)
-                slot = tl.sum(tl.where(hit, running[None, :] + tl.cumsum(hit_i, axis=0) - 1, 0), axis=1)
-                running += tl.sum(hit_i, axis=0)
-                tl.store(slot_of_ptr + p, tl.where(routed, slot, -1), mask=live)
-                tl.store(token_index_ptr + slot, p, mask=live)
-        else:
-            j = tl.arange(0, CHUNK)
-            p = c * CHUNK + j
+        next_slot = tl.where(bins < E, offsets + base, routed_total + unrouted_before)  # bins > E unused
+        j = tl.arange(0, BLOCK)
+        for s in range(0, tl.minimum(CHUNK, N - c * CHUNK), BLOCK):
+            p = c * CHUNK + s + j
             live = p < N
             b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
-            counts = tl.histogram(tl.where(live, b, 0), BINS, mask=live)
-            # slot of sorted position j in bin b = start[b] + (j - #{chunk pairs in bins < b})
-            rank_base = start - (tl.cumsum(counts, axis=0) - counts)
-            key = tl.where(live, b, E + 1) * CHUNK + j  # padding lanes sort last (bin E + 1)
-            key = _sort_unique_keys(key, LOG_CHUNK)
-            sorted_bin = key // CHUNK
-            sorted_p = c * CHUNK + (key - sorted_bin * CHUNK)
-            sorted_live = sorted_bin <= E
-            slot = tl.gather(rank_base, tl.minimum(sorted_bin, E), 0) + j
-            tl.store(token_index_ptr + slot, sorted_p, mask=sorted_live)
-            tl.store(slot_of_ptr + sorted_p, tl.where(sorted_bin < E, slot, -1), mask=sorted_live)
+            if DENSE:
+                hit = (b[:, None] == bins[None, :]) & live[:, None]  # [BLOCK, BINS]
+                hit_i = hit.to(tl.int32)
+                slot = tl.sum(tl.where(hit, next_slot[None, :] + tl.cumsum(hit_i, axis=0) - 1, 0), axis=1)
+                next_slot += tl.sum(hit_i, axis=0)
+                tl.store(slot_of_ptr + p, tl.where(routed, slot, -1), mask=live)
+                tl.store(token_index_ptr + slot, p, mask=live)
+            else:
+                counts = tl.histogram(tl.where(live, b, 0), BINS, mask=live)
+                # slot of sorted position j in bin b = next[b] + (j - #{block pairs in bins < b})
+                rank_base = next_slot - (tl.cumsum(counts, axis=0) - counts)
+                key = tl.where(live, b, E + 1) * BLOCK + j  # padding lanes sort last (bin E + 1)
+                key = _sort_unique_keys(key, LOG_BLOCK)
+                sorted_bin = key >> LOG_BLOCK
+                sorted_p = p - j + (key & (BLOCK - 1))
+                sorted_live = sorted_bin <= E
+                slot = tl.gather(rank_base, tl.minimum(sorted_bin, E), 0) + j
+                tl.store(token_index_ptr + slot, sorted_p, mask=sorted_live)
+                tl.store(slot_of_ptr + sorted_p, tl.where(sorted_bin < E, slot, -1), mask=sorted_live)
+                next_slot += counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,11 +293,11 @@ def _check_args(ids: Tensor, num_experts: int, block_m: int) -> None:
 
 def _config_from_env(value: str) -> DispatchConfig:
     try:
-        path, chunk, num_warps = (s.strip() for s in value.split(","))
-        config = DispatchConfig(path, int(chunk), int(num_warps))
+        path, chunk, block, num_warps = (v.strip() for v in value.split(","))
+        config = DispatchConfig(path, int(chunk), int(block), int(num_warps))
     except ValueError:
         raise ValueError(
-            f"MOEBLAZE_DISPATCH_CONFIG={value!r}: expected 'path,chunk,num_warps', e.g. 'sort,2048,8'"
+            f"MOEBLAZE_DISPATCH_CONFIG={value!r}: expected 'path,chunk,block,num_warps', e.g. 'sort,4096,512,4'"
         ) from None
     return config
 
@@ -295,24 +307,23 @@ def default_config(num_pairs: int, num_experts: int) -> DispatchConfig:
     pinned = os.environ.get("MOEBLAZE_DISPATCH_CONFIG")
     if pinned:
         return _config_from_env(pinned)
-    bins = triton.next_power_of_2(num_experts + 1)
-    if bins <= _DENSE_MAX_BINS:
-        chunk = min(max(triton.next_power_of_2(triton.cdiv(num_pairs, 264)), 1024), 8192)
-        return DispatchConfig("dense", chunk, 4)
-    # About two chunks per SM (132 on H100/H200), but chunks of 512..4096 pairs.
+    # About two chunks per SM (132 on H100/H200) while that keeps chunks of 512..4096 pairs.
     chunk = min(max(triton.next_power_of_2(triton.cdiv(num_pairs, 264)), 512), 4096)
-    return DispatchConfig("sort", chunk, 4 if chunk <= 1024 else 8)
+    if triton.next_power_of_2(num_experts + 1) <= _DENSE_MAX_BINS:
+        return DispatchConfig("dense", chunk, 128, 4)
+    # Sorting 512 keys at a time (4 warps) beat 1024..4096 at every size on an H200 (a420f50 sweep).
+    return DispatchConfig("sort", chunk, 512, 4)
 
 
 def _validate_config(config: DispatchConfig) -> None:
     if config.path not in ("sort", "dense"):
         raise ValueError(f"dispatch config path must be 'sort' or 'dense', got {config.path!r}")
-    for name in ("chunk", "num_warps", "scan_block_c"):
+    for name in ("chunk", "block", "num_warps", "scan_block_c"):
         v = getattr(config, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"dispatch config {name} must be a positive power of two, got {v}")
-    if config.chunk < 16:
-        raise ValueError(f"dispatch config chunk must be >= 16, got {config.chunk}")
+    if not 16 <= config.block <= config.chunk:
+        raise ValueError(f"dispatch config block must be in [16, chunk], got {config.block} (chunk {config.chunk})")
 
 
 def _scatter_meta(config: DispatchConfig, num_experts: int) -> dict:
@@ -322,12 +333,11 @@ def _scatter_meta(config: DispatchConfig, num_experts: int) -> dict:
     bins = triton.next_power_of_2(num_experts + 1)
     if not dense:
         bins = max(bins, 32)  # tl.histogram spreads its bins over a warp's lanes
-    # Register tiles of [rows, bins] int32 hold about 16 elements per thread (more spilled or capped
-    # occupancy: 8K-element tiles took 164-175 registers per thread at 4 warps, sm_90 ptxas).
-    rows = max(16 * 32 * config.num_warps // bins, 8)
+    tile_block = 64 * config.num_warps  # two row tiles per thread and step
     return dict(
-        CHUNK=config.chunk, LOG_CHUNK=config.chunk.bit_length() - 1, BINS=bins, DENSE=dense,
-        SUB=min(rows, config.chunk), TILE_BLOCK=rows, TILES_PER_PROGRAM=max(16 * rows, 1024),
+        CHUNK=config.chunk, BLOCK=config.block, LOG_BLOCK=config.block.bit_length() - 1,
+        BINS=bins, LOG_BINS=bins.bit_length() - 1, DENSE=dense,
+        TILE_BLOCK=tile_block, TILES_PER_PROGRAM=4 * tile_block,
     )  # fmt: skip
 
 
