@@ -239,7 +239,7 @@ def compare(
                 bar.set_postfix_str(name)
             torch._dynamo.reset()
             row, records, loss, grads = _run_variant(name, make, runner, steps)
-            if name.startswith("moeblaze-"):
+            if name.startswith("moeblaze-") and (records or row.status == "ok"):
                 reports[name] = [r.as_dict() for r in records]
                 row.regions_found = len(records)
                 row.regions_rewritten = sum(r.status == "rewritten" for r in records)
@@ -329,12 +329,28 @@ def _run_variant(name: str, make: Callable[[], Callable[..., Any]], runner: _Run
         records = [r for graph in _report.all_reports()[n_reports:] for r in graph]
     except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
         row.status = "out of memory" if is_oom(exc) else "error"
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+        error = describe_error(exc)
     if error:
         row.note = error
         records = [r for graph in _report.all_reports()[n_reports:] for r in graph]
     runner.zero_grads()
     return row, records, loss, grads
+
+
+def describe_error(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line``, of the backend's own exception when Dynamo wrapped it (BackendCompilerFailed)."""
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    parts = []
+    for e in (seen[0], seen[-1]) if len(seen) > 1 else seen[:1]:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
+            first = first.rstrip(": ") or first
+        parts.append(f"{type(e).__name__}: {first}" if first else type(e).__name__)
+    return " <- ".join(reversed(parts))[:limit]
 
 
 def _grad_errors(grads: dict[str, Optional[Tensor]], eager: dict[str, Optional[Tensor]]):
