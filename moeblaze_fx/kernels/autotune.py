@@ -139,20 +139,20 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
         cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
     elif kind == "dh":  # one dH' accumulator, then an epilogue holding dH', A, B. A 128x64 tile is L2-bound
-        # (43 FLOP per byte loaded; run 1: 268 TFLOP/s); block_n=128 spills 1 KB in the epilogue; split_n=2
-        # runs the GEMM 128 wide and the epilogue 64 columns at a time (56 B of stack, Triton 3.9 for sm_90)
-        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, split_n=2),
-                KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3, split_n=2),
-                KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, split_n=1)]
+        # (H200, config A, at ad053fa: 262 TFLOP/s); block_n=128 spills 1 KB in the epilogue (and ran at 189);
+        # split_n=2 runs the GEMM 128 wide and the epilogue 64 columns at a time: 329-332 TFLOP/s
+        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, split_n=2, group_m=16),
+                KernelConfig(block_n=64, block_k=128, num_warps=8, num_stages=3, split_n=2)]
     elif kind == "dh_recompute":  # three accumulators: dH', A, B (170-175 registers, no spills)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=32, num_warps=8, num_stages=4)]
     elif kind == "down":
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
-    elif kind == "dw":
+    elif kind == "dw":  # H200, config A, at ad053fa: 128x256 440/423 TFLOP/s (dW_down/dW_gate_up), 256x128
+        # 413/454, 128x128x128 359/368; cuBLAS on pre-gathered copies 626/676, this kernel without the gather 471/477
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-                KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)]
+                KernelConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)]
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
     if kind in ("dh", "dh_recompute"):
