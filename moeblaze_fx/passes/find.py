@@ -48,13 +48,22 @@ class Candidate:
     reason: Optional[str] = None  # why it cannot be a region, when it cannot
 
 
+def _dead(node: fx.Node) -> bool:
+    """An unused node without side effects (a mask a loop computed and did not use)."""
+    if node.users or node.op not in ("call_function", "call_method"):
+        return False
+    name = canonical_name(node)
+    return not (name.endswith("_") or name == "setitem" or node.is_impure())
+
+
 def assert_only_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Asserts, and nodes whose every user is one (``sym_size -> ge -> _assert_scalar``)."""
+    """Nodes that carry no data to the output: asserts, unused pure nodes, and nodes whose every
+    user is one of those (``sym_size -> ge -> _assert_scalar``)."""
     only: set[fx.Node] = set()
     for node in reversed(graph.nodes):
         if node.op == "output":
             continue
-        if role(node) == "assert" or (node.users and all(u in only for u in node.users)):
+        if role(node) == "assert" or _dead(node) or (node.users and all(u in only for u in node.users)):
             only.add(node)
     return only
 
