@@ -19,7 +19,7 @@ def run_eager_and_compiled(model: torch.nn.Module, inputs: tuple, *, options=Non
                            fullgraph=True):
     """Forward + backward eagerly and under backend="moeblaze"; assert equal within tolerance.
     Returns the moeblaze counters of the compile."""
-    loss = loss or (lambda out: (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum())
+    loss = loss or (lambda out: (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape)).sum())
     params = [p for p in model.parameters() if p.requires_grad]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
