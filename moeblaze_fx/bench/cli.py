@@ -82,6 +82,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="skip the error check above this many tokens (default: always check)")
     parser.add_argument("--no-dispatch", action="store_true", help="skip the dispatch micro-benchmark")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new layer shape after this many seconds; the rest is listed as not run")
+    parser.add_argument("--memory-fraction", type=float, default=None,
+                        help="cap CUDA allocations at this fraction of the GPU (a smaller GPU; quick OOM checks)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", default=None, metavar="PATH", help="write the markdown tables")
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -121,7 +125,8 @@ def run_bench(args: argparse.Namespace) -> int:
         result = run_layer_bench(
             configs, providers, device=args.device, dtype=args.dtype, sweep=sweep, sweep_shape=sweep_shape,
             warmup=args.warmup, reps=args.reps, check=not args.no_check, check_max_tokens=args.check_max_tokens,
-            dispatch=not args.no_dispatch, seed=args.seed, progress=not args.no_progress)
+            dispatch=not args.no_dispatch, seed=args.seed, progress=not args.no_progress, budget_s=args.budget_s,
+            memory_fraction=args.memory_fraction)
     except ValueError as exc:
         print(f"moeblaze bench: {exc}", file=sys.stderr)
         return 2

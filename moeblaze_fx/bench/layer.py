@@ -715,6 +715,8 @@ def run_layer_bench(
     seed: int = 0,
     progress: bool = True,
     provider_table: Optional[dict[str, Provider]] = None,
+    budget_s: Optional[float] = None,
+    memory_fraction: Optional[float] = None,
 ) -> BenchResult:
     """Run the layer benchmark.
 
@@ -727,7 +729,12 @@ def run_layer_bench(
         check: compare each provider with the float32 reference (skipped above ``check_max_tokens``).
         dispatch: also run ``moeblaze_fx.bench.dispatch.run_dispatch_bench`` when that module exists.
         provider_table: the providers to choose from (tests substitute failing ones).
+        budget_s: start no new layer shape (or the dispatch benchmark) once this many seconds have passed;
+            what was not run is listed in ``meta["not_run"]``.
+        memory_fraction: cap this process's CUDA allocations at this fraction of the GPU's memory (a smaller
+            GPU, or a quick out-of-memory path); lifted again at the end.
     """
+    started = time.perf_counter()
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -740,6 +747,22 @@ def run_layer_bench(
         raise ValueError(f"warmup and reps must be >= 1, got warmup={warmup}, reps={reps}")
 
     meta = environment(device)
+    if memory_fraction is not None:
+        if device.type != "cuda" or not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction needs a CUDA device and a value in (0, 1], got {memory_fraction} on "
+                             f"{device.type}")
+        torch.cuda.set_per_process_memory_fraction(memory_fraction, device)
+        meta["memory_fraction"] = memory_fraction
+    try:
+        return _run_layer_bench(meta, started, configs, names, table, device, dtype, sweep, sweep_shape, warmup,
+                                reps, check, check_max_tokens, dispatch, seed, progress, budget_s)
+    finally:
+        if memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def _run_layer_bench(meta, started, configs, names, table, device, dtype, sweep, sweep_shape, warmup, reps, check,
+                     check_max_tokens, dispatch, seed, progress, budget_s) -> BenchResult:
     meta.update(dtype=str(dtype).replace("torch.", ""), warmup=warmup, reps=reps, seed=seed,
                 flops="18*T*K*d*h", saved="distinct storages packed by saved_tensors_hooks in the forward, "
                 "parameters excluded, x included", peak="max allocated above the step's start (CUDA only)",
@@ -764,6 +787,11 @@ def run_layer_bench(
     bar = _progress(len(configs) * len(built) + len(sweep_cfgs) * len(built), progress)
     rows: list[dict[str, Any]] = []
     stopped: set[str] = set()
+    meta["not_run"] = []
+
+    def out_of_time() -> bool:
+        return budget_s is not None and time.perf_counter() - started > budget_s
+
     try:
         for section, cfgs in (("configs", list(configs)), ("sweep", sweep_cfgs)):
             for cfg in cfgs:
@@ -771,6 +799,12 @@ def run_layer_bench(
                 if bar is not None:
                     bar.update(len(built) - len(active))
                 if not active:
+                    continue
+                if out_of_time():
+                    meta["not_run"].append(f"{cfg.name} ({cfg.T}, {cfg.d}, {cfg.h}, {cfg.E}, {cfg.K}): time budget "
+                                           f"of {budget_s:.0f} s spent")
+                    if bar is not None:
+                        bar.update(len(active))
                     continue
                 rows.extend(_run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
                                         check_max_tokens, seed, dense["tflops"], bar))
@@ -780,7 +814,12 @@ def run_layer_bench(
         if bar is not None:
             bar.close()
 
-    dispatch_result = run_dispatch(device) if dispatch else None
+    dispatch_result = None
+    if dispatch and out_of_time():
+        meta["not_run"].append(f"dispatch micro-benchmark: time budget of {budget_s:.0f} s spent")
+    elif dispatch:
+        dispatch_result = run_dispatch(device)
+    meta["elapsed_s"] = time.perf_counter() - started
     return BenchResult(meta, rows, dispatch_result)
 
 
@@ -922,6 +961,9 @@ def format_markdown(result: BenchResult) -> str:
         lines.append("")
         if section == "sweep":
             lines += _sweep_grid(rows)
+    if m.get("not_run"):
+        lines.append("Not run: " + "; ".join(m["not_run"]) + ".")
+        lines.append("")
     if m.get("skipped"):
         lines.append("Skipped providers: " + "; ".join(f"{k}: {v}" for k, v in m["skipped"].items()) + ".")
         lines.append("")

@@ -299,5 +299,7 @@ def test_compare_reports_a_failing_variant():
 def test_time_budget_stops_new_shapes():
     result = _bench([TINY[1], TINY[2]], ["loop"], budget_s=0.0)
     assert result.rows == []
-    assert [n.split(":")[0] for n in result.meta["not_run"]] == ["k_eq_e (12, 8, 16, 3, 3)", "one_token (1, 8, 8, 4, 2)"]
+    assert [n.split(":")[0] for n in result.meta["not_run"]] == [
+        "k_eq_e (12, 8, 16, 3, 3)", "one_token (1, 8, 8, 4, 2)", "dispatch micro-benchmark"]
+    assert result.dispatch is None
     assert "Not run: k_eq_e" in result.to_markdown()
