@@ -144,6 +144,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             continue
         cand.output = out
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
+        _push_out_weights(body, ids)
         cand.nodes = sorted(body, key=order.__getitem__)
         external = {i for n in body for i in n.all_input_nodes if i not in body}
         cand.inputs = sorted(external, key=order.__getitem__)
@@ -206,6 +207,31 @@ def same_size(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return statically_known_true(a == b)
+
+
+def _push_out_weights(body: set[fx.Node], ids: fx.Node) -> None:
+    """Leave the router's weight computation outside the region when it reads the ids
+    (``scores.gather(1, ids)``, renormalized, flattened): the float nodes rooted at the ids that read
+    only each other and values from outside the region. When the expert computation reads exactly
+    one of them, that one becomes the region's combine-weights input."""
+    members: set[fx.Node] = set()
+    for node in _topological(body):
+        val = example_value(node)
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue
+        inputs = node.all_input_nodes
+        if any(i is ids or i in members for i in inputs) and all(i in members or i not in body for i in inputs):
+            members.add(node)
+    read = [n for n in members if any(u in body and u not in members for u in n.users)]
+    if len(read) == 1:
+        body.difference_update(members)
+
+
+def _topological(nodes: set[fx.Node]) -> list[fx.Node]:
+    if not nodes:
+        return []
+    graph = next(iter(nodes)).graph
+    return [n for n in graph.nodes if n in nodes]
 
 
 def _pull_in_support(body: set[fx.Node], ids: fx.Node, params: set[fx.Node], static: set[fx.Node], num_tokens,
