@@ -131,6 +131,9 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if role(topk) != "topk":
             continue
         ids = _ids_of(topk)
+        if ids is not None and _leaves_graph(ids):
+            candidates.append(Candidate(topk=topk, ids=ids, reason=GRAPH_BREAK))
+            continue
         if ids is None or not any(role(u) == "dispatch" or canonical_name(u) in ("reshape", "view", "flatten", "to")
                                   for u in ids.users):
             continue  # top-k whose indices are not routed: not an MoE
@@ -161,6 +164,27 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
                     pending.append(u)
         cand.asserts = sorted(seen, key=order.__getitem__)
     return candidates
+
+
+GRAPH_BREAK = (
+    "Dynamo split this MoE block: the graph ends right after the routing and the experts run in other graphs "
+    "(a loop over a data-dependent tensor such as `for e in expert_hit`, a branch on a count, or .tolist() of "
+    "counts). Compile with fullgraph=True to see where it breaks; loop over range(E) without the branch; "
+    "for transformers use experts_implementation='grouped_mm' (its default for whole models) or 'batched_mm'"
+)
+
+
+def _leaves_graph(ids: fx.Node) -> bool:
+    """The ids (or a view of them) are an output of the graph: Dynamo broke the graph after routing."""
+    frontier = [ids]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "output":
+                return True
+            if canonical_name(user) in ("reshape", "view", "flatten", "to", "long", "int"):
+                frontier.append(user)
+    return False
 
 
 def _num_tokens(ids: fx.Node):
