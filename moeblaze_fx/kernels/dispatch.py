@@ -12,12 +12,12 @@ Data flow (forward only; dispatch has no backward, its outputs are integer indic
       |  1. _dispatch_histogram_kernel   grid (nc,)
       |     chunk c: counts[c, e] = #{p in chunk c : ids[p] == e}          (tl.histogram in registers)
       v
-    chunk_base [nc, E] int32 (holding the counts)
+    chunk_base [nc + 1, E] int32 (rows < nc holding the counts)
       |  2. _dispatch_scan_kernel        grid (cdiv(E, SCAN_BLOCK_E),)
       |     per expert column, in place: chunk_base[c, e] = sum_{c' < c} counts[c', e];
-      |     totals[e] = sum_c counts[c, e]
+      |     totals[e] = chunk_base[nc, e] = sum_c counts[c, e]
       v
-    chunk_base [nc, E], totals [E] int32
+    chunk_base [nc + 1, E] int32
       |  3. _dispatch_scatter_kernel     grid (nt + nc,)
       |     programs [0, nt): row tiles: binary search of t in cumsum(cdiv(totals, block_m));
       |     programs [nt, nt + nc), chunk c:
@@ -44,7 +44,7 @@ stays small: with C = 512 = S, 1M x 8 pairs and E = 256 the scratch was 16 MB an
 32 sequential steps; C = 4096 makes it 2 MB.
 
 Nothing is saved (no backward). Memory: the outputs (``2*N + E + 1 + 2*n_tiles`` int32) plus
-``(nc + 1) * E`` int32 of scratch: O(T*K + E*chunks), never a T x E map. Determinism: every value is
+``(nc + 1) * E`` int32 of scratch (``chunk_base``): O(T*K + E*chunks), never a T x E map. Determinism: every value is
 a function of the ids alone (integer counts, fixed-order scans, unique sort keys, each output element
 written by exactly one program); no global atomics anywhere. ``tl.histogram`` counts within one
 program (its lowering may use shared-memory increments; integer counts do not depend on their order).
@@ -80,7 +80,6 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_EXPERTS = 1024
 # Pair indices are int32 (the plan's dtype) and a program computes c * C + local in int32.
 _MAX_PAIRS = 2**31 - 2**16
-_DENSE_MAX_BINS = 16  # one-hot tile [SUB, bins]: cheaper than the sort up to about this many bins
 _SCAN_BLOCK_E = 8  # 8 experts x 4 B = one 32 B sector per chunk row: coalesced, and E/8 programs
 
 
@@ -96,11 +95,16 @@ class DispatchConfig(NamedTuple):
 # Kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k):
-    """Bin of each pair p (its expert, or E when the id is outside [0, E)) and whether it is routed."""
-    t = p // K
-    k = p - t * K
-    x = tl.load(ids_ptr + t.to(tl.int64) * stride_ids_t + k.to(tl.int64) * stride_ids_k, mask=live, other=0)
+def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS: tl.constexpr):
+    """Bin of each pair p (its expert, or E when the id is outside [0, E)) and whether it is routed.
+    CONTIGUOUS ids are addressed by p itself, so the loads vectorise (p // K defeats that)."""
+    if CONTIGUOUS:
+        offs = p.to(tl.int64)
+    else:
+        t = p // K
+        k = p - t * K
+        offs = t.to(tl.int64) * stride_ids_t + k.to(tl.int64) * stride_ids_k
+    x = tl.load(ids_ptr + offs, mask=live, other=0)
     routed = live & (x >= 0) & (x < E)
     b = tl.where(routed, x, E).to(tl.int32)
     return b, routed
@@ -143,6 +147,7 @@ def _dispatch_histogram_kernel(
     CHUNK: tl.constexpr,  # C, pairs per program
     BLOCK: tl.constexpr,  # pairs per step (divides C)
     HIST_BINS: tl.constexpr,  # power of two >= max(E, 32)
+    CONTIGUOUS: tl.constexpr,  # ids.is_contiguous()
 ):
     """grid (nc,): program c counts the pairs [c*C, (c+1)*C) per expert, BLOCK pairs at a time."""
     c = tl.program_id(0)
@@ -150,16 +155,15 @@ def _dispatch_histogram_kernel(
     for s in range(0, tl.minimum(CHUNK, N - c * CHUNK), BLOCK):
         p = c * CHUNK + s + tl.arange(0, BLOCK)
         live = p < N
-        b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
+        b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS)
         counts += tl.histogram(tl.where(routed, b, 0), HIST_BINS, mask=routed)
     e = tl.arange(0, HIST_BINS)
     tl.store(counts_ptr + c.to(tl.int64) * stride_counts_c + e, counts, mask=e < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # a runtime int even when 1: it is cast to int64
 def _dispatch_scan_kernel(
-    chunk_base_ptr,  # [nc, E] int32, in: counts; out: sum over earlier chunks (exclusive prefix)
-    totals_ptr,  # [E] int32, out: routed pairs per expert
+    chunk_base_ptr,  # [nc + 1, E] int32, in: counts; out: sum over earlier chunks; row nc: totals
     num_chunks,
     E,
     stride_base_c,
@@ -178,14 +182,13 @@ def _dispatch_scan_kernel(
         inclusive = tl.cumsum(counts, axis=0)
         tl.store(ptrs, carry[None, :] + inclusive - counts, mask=mask)
         carry += tl.sum(counts, axis=0)
-    tl.store(totals_ptr + e, carry, mask=e_mask)
+    tl.store(chunk_base_ptr + num_chunks.to(tl.int64) * stride_base_c + e, carry, mask=e_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # a runtime int even when 1: it is cast to int64
 def _dispatch_scatter_kernel(
     ids_ptr,  # [T, K] int32 | int64
-    chunk_base_ptr,  # [nc, E] int32: slots of expert e taken by chunks before c (from the scan)
-    totals_ptr,  # [E] int32: routed pairs per expert
+    chunk_base_ptr,  # [nc + 1, E] int32: slots of expert e taken by chunks before c; row nc: totals
     offsets_ptr,  # [E+1] int32, out
     token_index_ptr,  # [N] int32, out: pair of each slot
     slot_of_ptr,  # [N] int32, out: slot of each pair, -1 when unrouted
@@ -195,6 +198,7 @@ def _dispatch_scatter_kernel(
     K,
     E,
     num_tile_programs,  # nt
+    num_chunks,  # nc
     n_tiles,
     block_m,
     stride_ids_t,
@@ -208,12 +212,13 @@ def _dispatch_scatter_kernel(
     DENSE: tl.constexpr,  # rank through a one-hot tile instead of the sort
     TILE_BLOCK: tl.constexpr,  # row tiles per step of a tile program
     TILES_PER_PROGRAM: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,  # ids.is_contiguous()
 ):
     """grid (nt + nc,): programs [0, nt) write TILES_PER_PROGRAM row tiles each; program nt + c
     ranks and scatters chunk c. The tile programs come first so they overlap the chunk programs."""
     pid = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    totals = tl.load(totals_ptr + bins, mask=bins < E, other=0)
+    totals = tl.load(chunk_base_ptr + num_chunks.to(tl.int64) * stride_base_c + bins, mask=bins < E, other=0)
     offsets = tl.cumsum(totals, axis=0) - totals  # offsets[b] for b >= E: the routed total
     routed_total = tl.sum(totals, axis=0)
     if pid < num_tile_programs:
@@ -247,7 +252,7 @@ def _dispatch_scatter_kernel(
         for s in range(0, tl.minimum(CHUNK, N - c * CHUNK), BLOCK):
             p = c * CHUNK + s + j
             live = p < N
-            b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k)
+            b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS)
             if DENSE:
                 hit = (b[:, None] == bins[None, :]) & live[:, None]  # [BLOCK, BINS]
                 hit_i = hit.to(tl.int32)
@@ -309,10 +314,12 @@ def default_config(num_pairs: int, num_experts: int) -> DispatchConfig:
         return _config_from_env(pinned)
     # About two chunks per SM (132 on H100/H200) while that keeps chunks of 512..4096 pairs.
     chunk = min(max(triton.next_power_of_2(triton.cdiv(num_pairs, 264)), 512), 4096)
-    if triton.next_power_of_2(num_experts + 1) <= _DENSE_MAX_BINS:
-        return DispatchConfig("dense", chunk, 128, 4)
-    # Sorting 512 keys at a time (4 warps) beat 1024..4096 at every size on an H200 (a420f50 sweep).
-    return DispatchConfig("sort", chunk, 512, 4)
+    # H200 sweeps (a420f50, 1a3e932), 4 warps: sorting 512 keys at a time beat 1024..4096 at every size;
+    # 256 beat 512 where the per-block tables are small (1M x 8, E = 8: 0.20 vs 0.28 ms; 131072 x 8,
+    # E = 64: 0.058 vs 0.075 ms) but not at E = 256 (0.367 vs 0.349 ms). The dense path lost to the
+    # sort even at E = 8 (0.31 ms), so it is opt-in only.
+    block = 256 if max(triton.next_power_of_2(num_experts + 1), 32) <= 128 else 512
+    return DispatchConfig("sort", chunk, block, 4)
 
 
 def _validate_config(config: DispatchConfig) -> None:
@@ -375,25 +382,24 @@ def dispatch_forward(
     offsets = torch.empty(E + 1, dtype=i32, device=device)
     tile_expert = torch.empty(n_tiles, dtype=i32, device=device)
     tile_start = torch.empty(n_tiles, dtype=i32, device=device)
-    scratch = torch.empty((num_chunks + 1) * E, dtype=i32, device=device)
-    chunk_base = scratch[: num_chunks * E].view(num_chunks, E)
-    totals = scratch[num_chunks * E :]
+    chunk_base = torch.empty((num_chunks + 1, E), dtype=i32, device=device)  # row num_chunks: totals
+    contiguous = ids.is_contiguous()
 
     _dispatch_histogram_kernel[(num_chunks,)](
         ids, chunk_base, N, K, E, ids.stride(0), ids.stride(1), chunk_base.stride(0),
         CHUNK=chunk, BLOCK=min(chunk, 16 * 32 * config.num_warps), HIST_BINS=max(triton.next_power_of_2(E), 32),
-        num_warps=config.num_warps,
+        CONTIGUOUS=contiguous, num_warps=config.num_warps,
     )
     _dispatch_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
-        chunk_base, totals, num_chunks, E, chunk_base.stride(0),
+        chunk_base, num_chunks, E, chunk_base.stride(0),
         BLOCK_C=config.scan_block_c, BLOCK_E=_SCAN_BLOCK_E, num_warps=4,
     )
     num_tile_programs = triton.cdiv(n_tiles, meta["TILES_PER_PROGRAM"])
     _dispatch_scatter_kernel[(num_tile_programs + num_chunks,)](
-        ids, chunk_base, totals, offsets, token_index, slot_of, tile_expert, tile_start,
-        N, K, E, num_tile_programs, n_tiles, block_m,
+        ids, chunk_base, offsets, token_index, slot_of, tile_expert, tile_start,
+        N, K, E, num_tile_programs, num_chunks, n_tiles, block_m,
         ids.stride(0), ids.stride(1), chunk_base.stride(0),
-        **meta, num_warps=config.num_warps,
+        **meta, CONTIGUOUS=contiguous, num_warps=config.num_warps,
     )  # fmt: skip
     return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
 
