@@ -32,28 +32,32 @@ Data flow (forward only; dispatch has no backward, its outputs are integer indic
 
 The stable rank inside a block takes one of two paths (``DispatchConfig.path``):
 
-* ``"sort"``: key = bin * S + index in the block, sorted in registers (a bitonic network, as
-  ``tl.sort``; keys are unique, so the order is total and deterministic). The pair at sorted position
-  j of bin b has rank ``j - #{block pairs in bins < b}`` (from ``tl.histogram`` of the block), so
-  ``slot = (next - excl_cumsum(block histogram))[b] + j`` through one ``tl.gather``.
-* ``"dense"`` (few experts): a one-hot [S, bins] tile and a cumsum along the pairs: the paper's dense
-  map, but only a register tile of it.
+* ``"sort"`` (the default for every E): key = bin * S + index in the block, sorted in registers (a
+  bitonic network, as ``tl.sort``; keys are unique, so the order is total and deterministic). The pair
+  at sorted position j of bin b has rank ``j - #{block pairs in bins < b}`` (from ``tl.histogram`` of
+  the block), so ``slot = (next - excl_cumsum(block histogram))[b] + j`` through one ``tl.gather``.
+* ``"dense"`` (opt-in): a one-hot [S, bins] tile and a cumsum along the pairs: the paper's dense map,
+  but only a register tile of it. It lost to the sort even at E = 8 on an H200, so only a pinned
+  configuration uses it.
 
 A chunk (the histogram/scan granularity) spans several blocks (the sort granularity) so that the scan
 stays small: with C = 512 = S, 1M x 8 pairs and E = 256 the scratch was 16 MB and the column scan
 32 sequential steps; C = 4096 makes it 2 MB.
 
 Nothing is saved (no backward). Memory: the outputs (``2*N + E + 1 + 2*n_tiles`` int32) plus
-``(nc + 1) * E`` int32 of scratch (``chunk_base``): O(T*K + E*chunks), never a T x E map. Determinism: every value is
-a function of the ids alone (integer counts, fixed-order scans, unique sort keys, each output element
-written by exactly one program); no global atomics anywhere. ``tl.histogram`` counts within one
+``(nc + 1) * E`` int32 of scratch (``chunk_base``): O(T*K + E*chunks), never a T x E map.
+Determinism: every value is a function of the ids alone (integer counts, fixed-order scans, unique
+sort keys, each output element written by exactly one program); no global atomics anywhere. ``tl.histogram`` counts within one
 program (its lowering may use shared-memory increments; integer counts do not depend on their order).
 
 Floor (H100 ~3.0 TB/s, H200 ~4.3 TB/s, read + write): ids read once (8*N bytes for int64) plus
 token_index and slot_of written once (8*N bytes): T=1M, K=8 -> 128 MB -> ~43 us (H100), ~30 us (H200).
-This design reads the ids twice (launches 1 and 3), ~64 MB more. Measured first version (H200,
-commit a420f50): 0.35-1.5 ms at 1M x 8, far from the floor: the in-register ranking is the cost
-(chunks of 4096 sorted at once were 4x slower than 512), not the bytes.
+This design reads the ids twice (launches 1 and 3), ~64 MB more. Predicted ~0.1 ms at 1M x 8 if the
+in-register sort kept up; it does not: measured on an H200 (commit ccf1907, benchmarks/RESULTS.md)
+0.18 ms (E = 8), 0.20 ms (E = 64), 0.33 ms (E = 256) at 1M x 8, of which the scatter launch (the sort)
+is 131-282 us, the histogram 30-35 us (~2 TB/s of ids read) and the scan 10 us. Below ~1M pairs the
+host side of the three launches (~80 us per call) is the cost unless the call is replayed in a CUDA
+graph (10-20 us on the device).
 
 ``MOEBLAZE_DISPATCH_CONFIG="path,chunk,block,num_warps"`` (e.g. ``"sort,4096,512,4"``) pins one
 configuration, for CI and for debugging.
