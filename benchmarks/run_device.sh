@@ -7,12 +7,15 @@
 #
 # Writes OUTDIR/bench.json, OUTDIR/bench.md, OUTDIR/configs.png and OUTDIR/sweep.png (when matplotlib
 # imports), and OUTDIR/bench.log. Sized for about 8 minutes on one H100/H200: no new layer shape starts
-# after BUDGET_S seconds (what was skipped is listed under "Not run").
+# after BUDGET_S seconds (what was skipped is listed under "Not run"); the dispatch benchmark (about a
+# minute) runs after that in any case.
 #
-# Optional wheels (pure Python; the GPU machine has neither): put them in .whl/ here and carry .whl:
-#   python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5      # the `liger` provider
-#   (matplotlib and its dependencies for the plots, as /work/.library/device/README.md describes)
-# Environment: MAX_TOKENS (default 1048576), BUDGET_S (default 420), REPS (default 10),
+# Optional wheels (the GPU machine has neither liger-kernel nor, as far as we know, matplotlib): put them
+# in .whl/ here and carry .whl (run's carry: [".whl"]):
+#   python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5      # the `liger` provider (pure Python)
+#   matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six pillow for cp312
+#   manylinux x86_64, as /work/.library/device/README.md describes      # the plots
+# Environment: MAX_TOKENS (default 1048576), BUDGET_S (default 360), REPS (default 10),
 #   MOEBLAZE_COMMIT (the commit for the tables; git rev-parse when .git is there),
 #   LIGER_FUSED_MOE_AUTOTUNE (default 0: pinned, as the peers in BENCHMARKS.md were measured).
 set -euo pipefail
@@ -39,7 +42,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 
 # What `moeblaze bench` runs, without needing the console script installed.
 python3 - --configs A,B,C,D --sweep --sweep-start 8192 --max-tokens "${MAX_TOKENS:-1048576}" \
-    --reps "${REPS:-10}" --warmup 2 --budget-s "${BUDGET_S:-420}" --out "$out" "${plot[@]}" "${@:2}" \
+    --reps "${REPS:-10}" --warmup 2 --budget-s "${BUDGET_S:-360}" --out "$out" "${plot[@]}" "${@:2}" \
     2>&1 <<'PY' | tee "$out/bench.log"
 import argparse
 import sys
