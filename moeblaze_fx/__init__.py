@@ -2,6 +2,7 @@
 from .config import MoEBlazeConfig, patch
 from .ops import moe_ffn
 from . import report
+from .bench.compare import compare
 from .report import RegionRecord, last_report
 
-__all__ = ["MoEBlazeConfig", "patch", "moe_ffn", "RegionRecord", "last_report", "report"]
+__all__ = ["MoEBlazeConfig", "patch", "moe_ffn", "RegionRecord", "last_report", "report", "compare"]

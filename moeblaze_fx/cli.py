@@ -127,9 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "demo":
         demo(steps=args.steps, device=args.device, dtype=args.dtype, tokens=args.tokens)
     elif args.command == "bench":
-        bench_cli.run_bench(args)
+        return bench_cli.run_bench(args) or 0
     elif args.command == "compare":
-        bench_cli.run_compare(args)
+        return bench_cli.run_compare(args) or 0
     return 0
 
 
