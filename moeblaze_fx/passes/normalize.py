@@ -57,19 +57,9 @@ ASSERT_NAMES = frozenset(
     {"_assert_scalar", "_assert_async", "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size"}
 )
 
-# In-place spelling -> out-of-place target (method names are looked up on torch.Tensor).
-_INPLACE_METHODS = {
-    "index_add_": "index_add",
-    "scatter_add_": "scatter_add",
-    "index_put_": "index_put",
-    "index_copy_": "index_copy",
-    "masked_fill_": "masked_fill",
-    "scatter_": "scatter",
-    "add_": "add",
-    "sub_": "sub",
-    "mul_": "mul",
-    "div_": "div",
-}
+# In-place methods: ``x.foo_(...)`` becomes ``x.foo(...)`` whenever torch.Tensor has that
+# out-of-place method (index_add_, masked_fill_, clamp_, scatter_, div_, ...); these have none.
+_NO_FUNCTIONAL_FORM = frozenset({"copy_", "set_", "resize_", "resize_as_", "requires_grad_", "share_memory_"})
 _INPLACE_OPERATORS = {
     operator.iadd: operator.add,
     operator.isub: operator.sub,
@@ -147,8 +137,10 @@ def _is_fresh(node: fx.Node) -> bool:
 
 def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
     """(out-of-place target, call kind) when ``node`` updates its first argument in place."""
-    if node.op == "call_method" and node.target in _INPLACE_METHODS:
-        return _INPLACE_METHODS[node.target], "call_method"
+    name = node.target
+    if (node.op == "call_method" and name.endswith("_") and not name.startswith("_")
+            and name not in _NO_FUNCTIONAL_FORM and callable(getattr(torch.Tensor, name[:-1], None))):
+        return name[:-1], "call_method"
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         if isinstance(_example(node.args[0]), torch.Tensor):
             return _INPLACE_OPERATORS[node.target], "call_function"

@@ -184,6 +184,6 @@ def test_graph_break_in_the_block_is_reported():
     assert got == {"skipped": 1}
     records = [r for graph in moeblaze_fx.report.all_reports() for r in graph][-1:]
     for record in records:
-        assert record.source.startswith("transformers/models/mixtral/modeling_mixtral.py:")
+        assert "transformers/models/mixtral/modeling_mixtral.py:" in record.source
         assert record.reason.startswith("Dynamo split this MoE block")
         assert "experts_implementation='grouped_mm'" in record.reason
