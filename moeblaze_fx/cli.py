@@ -49,7 +49,8 @@ def _train(name: str, model: torch.nn.Module, step_loss: Callable[[torch.Tensor]
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-            peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
+            if i > 0:  # the compiling step's autotuning and proof are not the step's memory
+                peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
         saved = max(saved, saved_i)

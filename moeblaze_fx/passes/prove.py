@@ -166,6 +166,9 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
             if w_gate_up.shape[1] != 2 * w_down.shape[2]:
                 continue
             y_ref = moe_ffn_reference(x2d, ids2d, w2d, w_gate_up, w_down, activation)
+            if not bool(y_ref.detach().abs().amax() > 0):
+                return Proof(None, "the operator's output is zero on the check's inputs (zero expert weights?): "
+                                   "nothing would be proven", saved_bytes_before=saved_before)
             err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
             if err > tol:
                 if best is None or (best.forward_error or 1e9) > err:

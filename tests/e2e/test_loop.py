@@ -163,3 +163,14 @@ moeblaze: 0 of 1 MoE candidate(s) rewritten
   [0] skipped   tests/e2e/test_loop.py:49  per-expert loop [one_hot+where+index_add]
       T=10 d=16 h=24 E=4 K=2 float32
       reason: the region's output differs from the MoE operator (relative error 0.27 > 0.002 for every layout tried)""")
+
+
+def test_zero_expert_weights_prove_nothing():
+    """With all-zero expert weights every function looks equal on the check's inputs: not a proof."""
+    torch.manual_seed(0)
+    model = LoopMoE(16, 24, 4, 2)
+    with torch.no_grad():
+        model.gate_up.zero_()
+        model.down.zero_()
+    assert run_eager_and_compiled(model, (_x(),)) == {"skipped": 1}
+    assert "nothing would be proven" in moeblaze_fx.last_report()[0].reason
