@@ -16,15 +16,15 @@ import sys
 from typing import Any, Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+from ..models import TinyMoETransformer
 
 __all__ = [
     "add_bench_args",
     "run_bench",
     "add_compare_args",
     "run_compare",
-    "TinyMoETransformer",
     "build_compare_model",
     "DTYPES",
 ]
@@ -154,70 +154,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The built-in model of `moeblaze compare`
+# The built-in model of `moeblaze compare` (moeblaze_fx.models.TinyMoETransformer)
 # ---------------------------------------------------------------------------------------------
-class MixtralStyleMoE(nn.Module):
-    """Router (linear -> softmax -> top-k -> renormalize) and experts as Mixtral's per-expert loop."""
-
-    def __init__(self, d: int, h: int, num_experts: int, top_k: int):
-        super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
-        self.router = nn.Linear(d, num_experts, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * h, d) * d ** -0.5)
-        self.down_proj = nn.Parameter(torch.randn(num_experts, d, h) * h ** -0.5)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shape = hidden.shape
-        x = hidden.reshape(-1, shape[-1])
-        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        mask = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
-        for e in range(self.num_experts):
-            choice, token = torch.where(mask[e])
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, choice, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out.reshape(shape)
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int, heads: int, h: int, num_experts: int, top_k: int):
-        super().__init__()
-        self.heads = heads
-        self.attn_norm = nn.RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.moe_norm = nn.RMSNorm(d)
-        self.moe = MixtralStyleMoE(d, h, num_experts, top_k)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(B, S, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, S, d))
-        return x + self.moe(self.moe_norm(x))
-
-
-class TinyMoETransformer(nn.Module):
-    """A decoder-only MoE language model, small enough for the CPU; returns logits [B, S, vocab]."""
-
-    def __init__(self, vocab: int = 256, d: int = 64, layers: int = 2, heads: int = 4, h: int = 96,
-                 num_experts: int = 8, top_k: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(_Block(d, heads, h, num_experts, top_k) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
 
@@ -252,7 +190,8 @@ def build_compare_model(hf: Optional[str] = None, *, device: str = "cpu", dtype:
     """(model, example_inputs, loss_fn, compile_kwargs) for ``compare``: the built-in model or a tiny HF one."""
     torch.manual_seed(seed)
     if hf is None:
-        model = TinyMoETransformer(vocab, d, layers, heads, h, num_experts, top_k)
+        model = TinyMoETransformer(vocab=vocab, d=d, h=h, layers=layers, heads=heads, num_experts=num_experts,
+                                   top_k=top_k)
         # The per-expert loop's `where` has a data-dependent size: Dynamo keeps it in one graph only with
         # fullgraph=True (otherwise it breaks the graph there and no backend sees the whole region).
         compile_kwargs: dict[str, Any] = {"fullgraph": True}

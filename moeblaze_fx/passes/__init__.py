@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..config import MoEBlazeConfig
+from ..ops import _block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import example_value, find_candidates, size_hint
@@ -130,15 +131,13 @@ def _policy(cfg: MoEBlazeConfig, T: int, K: int, h: int, itemsize: int) -> str:
     return "recompute" if T * K * 2 * h * itemsize > cfg.memory_budget else "activations"
 
 
-def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over the same module (parameters are shared, not copied)."""
     graph = fx.Graph()
-    val_map: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, val_map)
-    graph.output(out)
+    graph.output(graph.graph_copy(gm.graph, {}))
     work = fx.GraphModule(gm, graph)
     work.meta.update(getattr(gm, "meta", {}))
-    return work, val_map
+    return work
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -146,19 +145,20 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
     """Rewrite every proven MoE region. Returns the graph to compile (``gm`` itself when nothing was
     rewritten) and one record per candidate. Never raises: an internal error leaves ``gm`` as it was."""
     try:
-        return _run(gm, example_inputs, cfg)
+        new_gm, records = _run(gm, example_inputs, cfg)
     except Exception as exc:  # the user's compile must go on with their graph unchanged
         log.warning("moeblaze: internal error, graph left unchanged: %s", exc)
         log.debug("%s", traceback.format_exc())
-        record = RegionRecord(status="skipped", source="<graph>", idiom="-",
-                              reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}")
-        counters["moeblaze"]["skipped"] += 1
-        return gm, [record]
+        new_gm, records = gm, [RegionRecord(status="skipped", source="<graph>", idiom="-",
+                                            reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}")]
+    for record in records:  # counted from what is returned, so a failed graph counts nothing rewritten
+        counters["moeblaze"][record.status] += 1
+    return new_gm, records
 
 
 def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
          cfg: MoEBlazeConfig) -> tuple[fx.GraphModule, list[RegionRecord]]:
-    work, val_map = _copy(gm)
+    work = _copy(gm)
     normalize(work)
     placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
     real: dict[fx.Node, Any] = dict(zip(placeholders, example_inputs))
@@ -186,7 +186,6 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
         records.append(record)
         if cand.reason:
             record.reason = cand.reason
-            counters["moeblaze"]["skipped"] += 1
             continue
         try:  # analysis only: a failure here skips this candidate and leaves the graph as it is
             ext = extract(cand, params, name_of)
@@ -194,7 +193,6 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
             ext = f"internal error while extracting: {type(exc).__name__}: {exc}"
         if isinstance(ext, str):
             record.reason = ext
-            counters["moeblaze"]["skipped"] += 1
             continue
         record.T = ext.T if isinstance(ext.T, int) else str(ext.T)
         record.d, record.E, record.K, record.dtype = ext.d, ext.E, ext.K, str(ext.dtype).replace("torch.", "")
@@ -207,7 +205,6 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
             record.saved_bytes_before = proof.saved_bytes_before
             if proof.layout is None:
                 record.reason = proof.reason
-                counters["moeblaze"]["skipped"] += 1
                 continue
             layout = proof.layout
             grads = max(proof.gradient_errors.values(), default=0.0)
@@ -226,9 +223,8 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
         record.status, record.policy = "rewritten", policy
         record.saved_bytes_after = saved_bytes_after(
             t_hint, ext.d, ext.h, ext.E, ext.K, itemsize, example_value(ext.ids).element_size(),
-            example_value(ext.weights).element_size(), policy,
+            example_value(ext.weights).element_size(), policy, _block_m(example_value(ext.x).device),
         )
-        counters["moeblaze"]["rewritten"] += 1
         rewritten += 1
     if not rewritten:
         return gm, records
