@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 import torch.fx as fx
 
 from . import config as _config

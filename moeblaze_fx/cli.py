@@ -10,23 +10,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .memory import SavedTensorBytes
+
 __all__ = ["main", "demo"]
-
-
-def _saved_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run ``fn`` and measure the activation bytes autograd saves (distinct storages, parameters excluded)."""
-    exclude = {p.untyped_storage().data_ptr() for p in params}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
 
 
 def _train(name: str, model: torch.nn.Module, step_loss: Callable[[torch.Tensor], torch.Tensor],
@@ -43,7 +29,9 @@ def _train(name: str, model: torch.nn.Module, step_loss: Callable[[torch.Tensor]
         if i == 0:  # the compiling step: its compile-time work is not the step's activations
             loss, saved_i = step_loss(batch), 0
         else:
-            loss, saved_i = _saved_bytes(lambda: step_loss(batch), params)
+            with SavedTensorBytes(params) as meter:
+                loss = step_loss(batch)
+            saved_i = meter.total
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -36,7 +36,8 @@ _CPU_BLOCK_M = 64
 log = logging.getLogger("moeblaze_fx")
 
 
-def _block_m(device: torch.device) -> int:
+def plan_block_m(device: torch.device) -> int:
+    """Rows per tile of the dispatch plan the operator builds on ``device``."""
     kernels = _triton_kernels() if device.type == "cuda" else None
     return kernels[1].plan_block_m() if kernels is not None else _CPU_BLOCK_M
 
@@ -136,7 +137,7 @@ def _moe_ffn(
     _check_inputs(x, ids, weights, w_gate_up, w_down, activation, checkpoint)
     _check_ids_range(ids)
     E = w_gate_up.shape[0]
-    plan = _make_plan(ids, E, _block_m(x.device))
+    plan = _make_plan(ids, E, plan_block_m(x.device))
     save_preact = checkpoint == "activations"
     if _use_triton(x):
         y, preact = _triton_kernels()[1].expert_forward(x, weights, w_gate_up, w_down, plan, activation, save_preact)
@@ -152,7 +153,7 @@ def _moe_ffn_fake(x, ids, weights, w_gate_up, w_down, activation="swiglu", check
     K = ids.shape[1]
     E, two_h, _ = w_gate_up.shape
     n_pairs = T * K
-    n_tiles = reference.max_tiles(n_pairs, E, _block_m(x.device))
+    n_tiles = reference.max_tiles(n_pairs, E, plan_block_m(x.device))
     i32 = dict(dtype=torch.int32, device=x.device)
     preact = x.new_empty((n_pairs, two_h) if checkpoint == "activations" else (0,))
     return (

@@ -48,9 +48,11 @@ import platform
 import statistics
 import subprocess
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from ..memory import saved_activation_bytes  # noqa: F401  (compare.py reads it from here)
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -386,7 +388,6 @@ def compute_reference(inputs: LayerInputs, ids: Tensor, chunk: int) -> Reference
     over the token chunks; results move to the CPU so the providers run with the GPU to themselves.
     """
     x, grad_y = inputs.pool[0]
-    K = inputs.K
     params32 = [p.detach().float().requires_grad_() for p in inputs.params]
     wr32, wgu32, wd32 = params32
     outs, dxs = [], []
@@ -473,25 +474,6 @@ def time_steps(step: Callable[[int], Any], device: torch.device, warmup: int, re
             step(warmup + i)
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), timer_label(device, warmup, reps)
-
-
-def saved_activation_bytes(forward: Callable[[], Any], exclude: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages packed for backward during ``forward()``, ``exclude``'s storages left out."""
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    @torch._dynamo.disable
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in excluded and ptr != 0:
-            seen[ptr] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = forward()
-    del result
-    return sum(seen.values())
 
 
 def dense_gemm_rate(device: torch.device, dtype: torch.dtype, warmup: int = 3, reps: int = 10) -> dict[str, Any]:

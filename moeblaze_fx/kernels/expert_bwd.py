@@ -153,7 +153,6 @@ def _expert_dh_kernel(
     start = tl.load(tile_start_ptr + pid_m)
     end = tl.load(offsets_ptr + e + 1)
     rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
     rows_ld = tl.minimum(rows, end - 1)
     pair = tl.load(token_index_ptr + rows_ld)
     tok = (pair // K).to(tl.int64)

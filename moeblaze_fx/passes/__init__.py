@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..config import MoEBlazeConfig
-from ..ops import _block_m
+from ..ops import plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import example_value, find_candidates, size_hint
@@ -223,7 +223,7 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
         record.status, record.policy = "rewritten", policy
         record.saved_bytes_after = saved_bytes_after(
             t_hint, ext.d, ext.h, ext.E, ext.K, itemsize, example_value(ext.ids).element_size(),
-            example_value(ext.weights).element_size(), policy, _block_m(example_value(ext.x).device),
+            example_value(ext.weights).element_size(), policy, plan_block_m(example_value(ext.x).device),
         )
         rewritten += 1
     if not rewritten:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .normalize import canonical_name, role
+from .normalize import canonical_name, example_value, role
 
 __all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "example_value", "size_hint"]
 
@@ -295,11 +295,3 @@ def size_hint(size) -> int:
     except ImportError:  # torch < 2.12
         from torch.fx.experimental.symbolic_shapes import hint_int as hint
     return int(hint(size))
-
-
-def example_value(node: fx.Node):
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(example_value(node), torch.Tensor)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["canonical_name", "role", "normalize", "functional_setitem", "ROLE_OF", "ASSERT_NAMES"]
+__all__ = ["canonical_name", "example_value", "role", "normalize", "functional_setitem", "ROLE_OF", "ASSERT_NAMES"]
 
 # --- the vocabulary --------------------------------------------------------------------------
 ROLE_OF: dict[str, str] = {
@@ -97,7 +97,8 @@ def canonical_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _example(node: Any) -> Any:
+def example_value(node: Any) -> Any:
+    """The fake value Dynamo recorded for a node (a non-node argument is its own value)."""
     if not isinstance(node, fx.Node):
         return node
     return node.meta.get("example_value", node.meta.get("val"))
@@ -121,18 +122,18 @@ def _is_view(node: fx.Node) -> bool:
     name = canonical_name(node)
     if name in _VIEW_NAMES:
         return True
-    if name != "getitem" or isinstance(_example(node.args[0]), (tuple, list)):
+    if name != "getitem" or isinstance(example_value(node.args[0]), (tuple, list)):
         return False  # an element of an op's tuple output (topk values, sort indices, ...) is no view
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     # advanced indexing with a tensor copies; basic indexing returns a view
-    return not any(isinstance(_example(i), torch.Tensor) for i in index)
+    return not any(isinstance(example_value(i), torch.Tensor) for i in index)
 
 
 def _is_fresh(node: fx.Node) -> bool:
     """True when the tensor a node produces shares storage with nothing else in the graph."""
     if node.op not in ("call_function", "call_method"):
         return False  # graph inputs, parameters: mutating them is visible to the caller
-    return not _is_view(node) and isinstance(_example(node), torch.Tensor)
+    return not _is_view(node) and isinstance(example_value(node), torch.Tensor)
 
 
 def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
@@ -142,10 +143,10 @@ def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
             and name not in _NO_FUNCTIONAL_FORM and callable(getattr(torch.Tensor, name[:-1], None))):
         return name[:-1], "call_method"
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-        if isinstance(_example(node.args[0]), torch.Tensor):
+        if isinstance(example_value(node.args[0]), torch.Tensor):
             return _INPLACE_OPERATORS[node.target], "call_function"
     if node.op == "call_function" and node.target is operator.setitem:
-        if isinstance(_example(node.args[0]), torch.Tensor):
+        if isinstance(example_value(node.args[0]), torch.Tensor):
             return functional_setitem, "call_function"
     return None
 
@@ -167,7 +168,7 @@ def _functionalize(graph: fx.Graph) -> int:
         with graph.inserting_after(node):
             new = graph.create_node(kind, target, node.args, node.kwargs, name=f"{node.name}_functional")
         new.meta = dict(node.meta)
-        example = _example(base)
+        example = example_value(base)
         if example is not None:
             new.meta["example_value"] = example  # same shape, dtype and device as the updated tensor
         node.replace_all_uses_with(new)

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 
 from ..kernels.reference import moe_ffn_reference
+from ..memory import SavedTensorBytes
 from .extract import Extraction, Layout
-from .find import Candidate, example_value
-from .find import size_hint as hint_int
+from .find import Candidate, example_value, size_hint
 
 __all__ = ["Proof", "region_module", "prove", "TOLERANCE"]
 
@@ -54,7 +54,7 @@ def region_module(gm: fx.GraphModule, cand: Candidate) -> fx.GraphModule:
 
 
 def _concrete_shape(val: torch.Tensor) -> list[int]:
-    return [hint_int(s) for s in val.shape]
+    return [size_hint(s) for s in val.shape]
 
 
 def _rel_error(a: Optional[torch.Tensor], b: Optional[torch.Tensor], like: torch.Tensor) -> float:
@@ -65,28 +65,10 @@ def _rel_error(a: Optional[torch.Tensor], b: Optional[torch.Tensor], like: torch
     return (a - b).norm().item() / denom
 
 
-class _SavedBytes:
-    """Bytes of the distinct storages autograd saves, parameters excluded."""
-
-    def __init__(self, exclude: list[torch.Tensor]):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.exclude:
-            self.storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
-
-
 def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: torch.Generator):
     x_val = example_value(ext.x)
     device = x_val.device
-    T = hint_int(ext.T)
+    T = size_hint(ext.T)
     values: dict[fx.Node, Any] = {}
     for node in cand.inputs:
         val = example_value(node)
@@ -98,7 +80,7 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
         elif node is ext.weights:
             values[node] = torch.rand(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
         elif isinstance(real.get(node, val), torch.SymInt):
-            values[node] = hint_int(real.get(node, val))
+            values[node] = size_hint(real.get(node, val))
         elif node in real:
             values[node] = real[node]
         elif isinstance(val, torch.Tensor):
@@ -122,7 +104,7 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
             return Proof(None, "the backend was given fake inputs, so the region cannot be run to check it")
     try:
-        T = hint_int(ext.T)
+        T = size_hint(ext.T)
     except Exception:  # an unbacked token count has no hint
         return Proof(None, f"the token count {ext.T} has no concrete hint to check the region with")
     region = region_module(gm, cand)
@@ -141,8 +123,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     by_node = dict(zip(cand.inputs, args))
     param_values = [[by_node[p] for p in role.params] for role in ext.roles]
 
-    meter = _SavedBytes([by_node[p] for role in ext.roles for p in role.params])
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+    meter = SavedTensorBytes([by_node[p] for role in ext.roles for p in role.params])
+    with torch.enable_grad(), meter:
         try:
             y_region = region(*args)
         except Exception as exc:  # the region's own code failed on fresh inputs

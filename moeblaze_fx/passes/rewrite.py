@@ -10,7 +10,7 @@ the fake tensors and the old output's stack trace.
 from __future__ import annotations
 
 import operator
-from typing import Any
+
 
 import torch
 import torch.fx as fx
@@ -19,10 +19,6 @@ from .extract import Extraction, Layout
 from .find import Candidate, example_value
 
 __all__ = ["rewrite"]
-
-
-def _fake(v: Any) -> Any:
-    return example_value(v) if isinstance(v, fx.Node) else v
 
 
 def _as_2d(node: fx.Node, cols: int, call) -> fx.Node:
@@ -45,7 +41,7 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         node = graph.call_function(fn, tuple(args))
         # the innermost no-op hooks keep a caller's saved_tensors_hooks away from fake tensors
         with fake_mode, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            node.meta["example_value"] = fn(*[[_fake(a) for a in arg] if isinstance(arg, list) else _fake(arg)
+            node.meta["example_value"] = fn(*[[example_value(a) for a in arg] if isinstance(arg, list) else example_value(arg)
                                               for arg in args])
         if trace:
             node.meta["stack_trace"] = trace
