@@ -13,11 +13,23 @@ expert computation, bounded by meaning rather than by spelling:
 
 Runtime assertions (``_assert_scalar`` on data-dependent sizes) are not data: they are ignored when
 post-dominators are computed and are removed with the region they guard.
+
+Two kinds of candidate are reported instead of analysed further:
+
+* a block that **Dynamo split**: the graph ended at a graph break after the routing, with the ids or
+  values computed from them among its outputs. The record names the break's file:line and, from
+  Dynamo's graph-break type, what to change (``_BREAK_ADVICE``);
+* **capacity routing** (Switch, GShard): a token's slot in its expert, a running count over the
+  one-hot ids, is compared with a scalar capacity, and tokens past it are dropped. ``moe_ffn``
+  computes every routed token: a different function, even where the proof's random routing happens
+  not to overflow any expert, so it is recognised by structure, not by numbers.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from typing import Optional
 
 import torch
@@ -119,6 +131,8 @@ def _is_size(node: fx.Node) -> bool:
 def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]:
     """Candidates in graph order. ``params`` are the graph's parameter placeholders."""
     graph = gm.graph
+    compiled_because = _compile_reason(gm)  # None outside Dynamo
+    may_be_split = compiled_because is None or compiled_because.graph_break
     asserts = assert_only_nodes(graph)
     ipdom, order = _post_dominators(graph, asserts)
     static: set[fx.Node] = set()
@@ -131,8 +145,8 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if role(topk) != "topk":
             continue
         ids = _ids_of(topk)
-        if ids is not None and _leaves_graph(ids):
-            candidates.append(Candidate(topk=topk, ids=ids, reason=GRAPH_BREAK))
+        if ids is not None and may_be_split and _leaves_graph(ids):
+            candidates.append(Candidate(topk=topk, ids=ids, reason=_split_reason(compiled_because)))
             continue
         if ids is None or not any(role(u) == "dispatch" or canonical_name(u) in ("reshape", "view", "flatten", "to")
                                   for u in ids.users):
@@ -140,12 +154,19 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         cand = Candidate(topk=topk, ids=ids)
         candidates.append(cand)
         out, body = _combine_point(graph, ids, ipdom, order, asserts)
+        if out is None and compiled_because is not None and compiled_because.graph_break and _leaves_graph(ids, True):
+            cand.reason = _split_reason(compiled_because)  # values routed by the ids leave the graph at a break
+            continue
         if out is None:
             cand.reason = ("the expert outputs never meet in one [T, d] tensor before the graph's output (the ids are "
                            "also used outside the expert computation, or an in-place update could not be made "
                            "functional)")
             continue
         cand.output = out
+        capacity = _capacity_bound(body)
+        if capacity is not None:
+            cand.reason = _capacity_reason(*capacity)
+            continue
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
         _push_out_weights(body, ids)
         cand.nodes = sorted(body, key=order.__getitem__)
@@ -166,25 +187,148 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
     return candidates
 
 
+_TRANSFORMERS_FIX = ("for transformers use experts_implementation='grouped_mm' (its default for whole models) or "
+                     "'batched_mm'")
 GRAPH_BREAK = (
     "Dynamo split this MoE block: the graph ends right after the routing and the experts run in other graphs "
     "(a loop over a data-dependent tensor such as `for e in expert_hit`, a branch on a count, or .tolist() of "
     "counts). Compile with fullgraph=True to see where it breaks; loop over range(E) without the branch; "
-    "for transformers use experts_implementation='grouped_mm' (its default for whole models) or 'batched_mm'"
+    + _TRANSFORMERS_FIX
 )
+# Why Dynamo ended a graph (its graph-break type, the first line of its reason; or the operator it names):
+# what that means for the MoE block, and what the user can change.
+_BREAK_ADVICE = {
+    "Data dependent operator": (
+        ".tolist() or .item() turns a tensor into Python numbers ({op})",
+        "set torch._dynamo.config.capture_scalar_outputs = True (or compile with fullgraph=True) to keep them in "
+        "the graph as unbacked sizes, or keep the counts a tensor (torch._grouped_mm with offsets = cumsum of the "
+        "counts)",
+    ),
+    "Unsupported Tensor.item() call with capture_scalar_outputs=False": (
+        ".item() turns a tensor into a Python number",
+        "set torch._dynamo.config.capture_scalar_outputs = True (or compile with fullgraph=True) to keep it in the "
+        "graph as an unbacked size",
+    ),
+    "Dynamic shape operator": (
+        "the output shape of {op} depends on the data",
+        "set torch._dynamo.config.capture_dynamic_output_shape_ops = True (or compile with fullgraph=True), or use "
+        "ops with static output shapes",
+    ),
+    "aten.bincount.default": (
+        "torch.bincount's output length depends on the ids (an id >= minlength lengthens it)",
+        "count with a static length instead: torch.histc(ids.float(), bins=E, min=0, max=E) or "
+        "F.one_hot(ids, E).sum(0); capture_dynamic_output_shape_ops = True keeps bincount in the graph, but "
+        ".tolist() of its data-dependent length then fails to compile",
+    ),
+}
 
 
-def _leaves_graph(ids: fx.Node) -> bool:
-    """The ids (or a view of them) are an output of the graph: Dynamo broke the graph after routing."""
+def _compile_reason(gm: fx.GraphModule):
+    """Why Dynamo ended this graph (its ``GraphCompileReason``: message, user stack, whether it was a
+    graph break), or None outside Dynamo. Dynamo sets it on the module it hands the backend; the
+    passes work on a copy, so it is also read from the translation in progress."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None:
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+        except Exception:  # not inside a Dynamo compile, or a torch without it
+            return None
+    return reason if hasattr(reason, "graph_break") and hasattr(reason, "user_stack") else None
+
+
+def _split_reason(compiled_because) -> str:
+    """GRAPH_BREAK made specific: where Dynamo broke the graph, why, and what to change."""
+    from . import _PLUMBING, _short_path  # the report's file:line form (imported here: passes imports find)
+
+    frames = [f for f in (compiled_because.user_stack if compiled_because else []) if f.filename]
+    user = [f for f in frames if not any(p in f.filename for p in _PLUMBING)] or frames
+    if not user:
+        return GRAPH_BREAK
+    frame = user[-1]
+    message = compiled_because.reason.strip()
+    kind = message.splitlines()[0].strip()
+    op = re.search(r"Operator `([^`]+)`", message)
+    op = op.group(1) if op else ""
+    cause, fix = _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind) or (
+        f"Dynamo stopped tracing there ({kind})", "see why with TORCH_LOGS=graph_breaks and change that line")
+    if os.sep + "transformers" + os.sep in frame.filename:
+        fix = _TRANSFORMERS_FIX  # a library's own loop: choose its implementation rather than edit it
+    code = f" (`{frame.line.strip()}`)" if frame.line else ""
+    return (f"Dynamo split this MoE block at {_short_path(f'{frame.filename}:{frame.lineno}')}{code}: "
+            f"{cause.format(op=op)}, so the graph ends there and the experts run in other graphs. "
+            f"{fix[0].upper()}{fix[1:]}")
+
+
+_ID_VIEWS = frozenset({"reshape", "view", "flatten", "to", "long", "int"})
+
+
+def _leaves_graph(ids: fx.Node, computed: bool = False) -> bool:
+    """The ids (or a view of them; with ``computed``, anything computed from them) are an output of the
+    graph: Dynamo broke the graph after routing."""
     frontier = [ids]
+    seen = {ids}
     while frontier:
         node = frontier.pop()
         for user in node.users:
             if user.op == "output":
                 return True
-            if canonical_name(user) in ("reshape", "view", "flatten", "to", "long", "int"):
+            if user not in seen and (computed or canonical_name(user) in _ID_VIEWS):
+                seen.add(user)
                 frontier.append(user)
     return False
+
+
+def _capacity_bound(body: set[fx.Node]) -> Optional[tuple[fx.Node, object]]:
+    """Capacity routing: (the comparison, the capacity) where a per-token tensor with a running count
+    behind it (a token's slot in its expert) is compared with a scalar; None when the body has none.
+    Expert offsets (a cumsum of the counts) compared with token positions are no capacity: there the
+    running count is the scalar side and the per-token side (an ``arange``) counts nothing."""
+    for node in _topological(body):
+        if role(node) != "compare" or len(node.args) != 2:
+            continue
+        for slot, bound in (node.args, node.args[::-1]):
+            if _is_scalar(bound) and _counted(slot, body):
+                return node, bound
+    return None
+
+
+def _is_scalar(arg) -> bool:
+    val = example_value(arg)
+    if isinstance(val, torch.Tensor):
+        return val.dim() == 0
+    return isinstance(val, (int, float, torch.SymInt, torch.SymFloat))
+
+
+def _counted(node, body: set[fx.Node]) -> bool:
+    """A per-token tensor in the body with a running count behind it (within the body)."""
+    val = example_value(node)
+    if not isinstance(node, fx.Node) or node not in body or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return False
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        if role(n) == "running_count":
+            return True
+        for i in n.all_input_nodes:
+            if i in body and i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return False
+
+
+def _capacity_reason(compare: fx.Node, bound) -> str:
+    from . import _source  # the report's file:line form (imported here: passes imports find)
+
+    capacity = example_value(bound)
+    if isinstance(capacity, torch.Tensor):
+        capacity = bound.name
+    elif isinstance(capacity, torch.SymInt):  # symbolic (dynamic sizes, a float factor): its traced value
+        capacity = f"{size_hint(capacity)} (at the traced sizes)"
+    return (f"capacity routing: a running count of each expert's tokens is compared with a capacity C={capacity} at "
+            f"{_source(compare)}, and tokens beyond C are dropped; moe_ffn computes every routed token, "
+            f"so the two differ whenever an expert is routed more than C tokens: not rewritten")
 
 
 def _num_tokens(ids: fx.Node):

@@ -3,8 +3,9 @@
 Two things happen here, both driven by the tables below (a new spelling is a new table row):
 
 * **Roles.** Every node gets ``node.meta["moeblaze_role"]``: what it means for MoE analysis
-  (``"topk"``, ``"dispatch"``, ``"grouped_mm"``, ``"matmul"``, ``"combine"``, ``"assert"``, or
-  ``None``), whatever its spelling: a function, a method, an aten overload or a library's custom op.
+  (``"topk"``, ``"dispatch"``, ``"grouped_mm"``, ``"matmul"``, ``"combine"``, ``"running_count"``,
+  ``"compare"``, ``"assert"``, or ``None``), whatever its spelling: a function, a method, an aten
+  overload or a library's custom op.
 * **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
   ``inv[perm] = arange``, ``w /= s``) become their out-of-place forms, and later readers of the
   mutated tensor read the new value instead. Data flow is then visible in the def-use edges, which
@@ -52,6 +53,17 @@ ROLE_OF: dict[str, str] = {
     "scatter_add": "combine",
     "index_put": "combine",
     "functional_setitem": "combine",
+    # capacity routing (Switch, GShard): a token's slot in its expert is a running count over the
+    # one-hot ids, compared with the capacity; tokens past it are dropped
+    "cumsum": "running_count",
+    "lt": "compare",
+    "le": "compare",
+    "gt": "compare",
+    "ge": "compare",
+    "less": "compare",
+    "less_equal": "compare",
+    "greater": "compare",
+    "greater_equal": "compare",
 }
 ASSERT_NAMES = frozenset(
     {"_assert_scalar", "_assert_async", "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size"}
