@@ -4,16 +4,27 @@
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/expert_device.py OUTDIR
 
 1. ceilings: dense bf16 GEMM (8192^3) and a device-to-device copy, measured here;
-2. correctness in bf16 on small ragged shapes (vs ``moe_ffn_reference`` in fp32, autograd) and on the
-   BENCHMARKS.md configs A-D (vs the fp32 torch path ``moe_ffn_forward_torch``/``_backward_torch``),
-   both memory policies, the caching allocator poisoned with NaN first; bitwise determinism;
+2. correctness in bf16 on small ragged shapes (vs ``moe_ffn_reference`` in fp32, autograd): SwiGLU on
+   Hugging Face's fused ``[E, 2h, d]`` weight, and GeGLU, gpt-oss's clamped SwiGLU with biases, ReLU
+   (plain), a ModuleList of per-expert tensors, transposed and interleaved views, float32 gradient
+   tables and accumulation into existing gradients; then the BENCHMARKS.md configs A-D (SwiGLU, vs the
+   fp32 torch path ``moe_ffn_forward_torch``/``_backward_torch``), both memory policies, the caching
+   allocator poisoned with NaN first; bitwise determinism;
 3. timing (``triton.testing.do_bench``, median) of dispatch + forward + backward at A-D, both policies
    (router excluded), forward and backward alone, per-kernel breakdown from the profiler, saved
    activation bytes (``saved_tensors_hooks``, parameters excluded) and peak memory.
 Writes OUTDIR/expert_device.json and OUTDIR/expert_device.md; prints a short table last.
+
+Environment: MB_PARTS (default ``small,features,accumulate,configs``), MB_FEATURES_PIN (the kernel config the
+``features`` part runs under; empty: autotuned), MB_BUDGET_S (no new config A-D past this), MB_MICRO=1 (raw
+kernel variants at config A), MB_DRYRUN=1 (a CPU smoke test of this script under the Triton interpreter).
+
+Weights are read and weight gradients written through per-expert pointer tables (``kernels.tables``);
+the tables' byte alignment is what lets the kernels use 16-byte loads, and is logged (``table_align``).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -53,32 +64,58 @@ def _import_kernels():
         pkg = types.ModuleType("moeblaze_fx")
         pkg.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moeblaze_fx")]
         sys.modules["moeblaze_fx"] = pkg
-    from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd, reference
-    return autotune, expert_fwd, expert_bwd, reference
+    from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd, reference, tables
+    return autotune, expert_fwd, expert_bwd, reference, tables
 
 
-autotune, expert_fwd, expert_bwd, reference = _import_kernels()
+autotune, expert_fwd, expert_bwd, reference, tables_mod = _import_kernels()
 expert_forward, expert_backward, plan_block_m = expert_fwd.expert_forward, expert_bwd.expert_backward, expert_fwd.plan_block_m
-DispatchPlan = reference.DispatchPlan
+DispatchPlan, ExpertParams, parse_activation = reference.DispatchPlan, reference.ExpertParams, reference.parse_activation
+ExpertTables = tables_mod.ExpertTables
 
-CONFIGS = {  # BENCHMARKS.md: (T, d, h, E, K)
+CONFIGS = {  # BENCHMARKS.md: (T, d, h, E, K), SwiGLU on a fused [E, 2h, d] weight
     "A": (32768, 2048, 8192, 16, 4),
     "B": (16384, 4096, 14336, 8, 2),
     "C": (16384, 2048, 768, 128, 8),
     "D": (16384, 2048, 1024, 64, 8),
 }
-SMALL = [  # (T, d, h, E, K, ids_mode)
-    (1000, 320, 200, 8, 4, "empty_expert"),
-    (513, 256, 512, 6, 2, "sentinel"),
-    (700, 128, 192, 4, 2, "one_expert"),
-    (1, 64, 64, 3, 2, "random"),
-    (4099, 1024, 768, 32, 8, "random"),
+OAI = "swiglu_oai(alpha=1.702,limit=7.0)"
+SMALL = [  # (T, d, h, E, K, ids_mode, activation, biases, layout): SwiGLU, autotuned like the configs
+    (1000, 320, 200, 8, 4, "empty_expert", "swiglu", False, "hf_fused"),
+    (513, 256, 512, 6, 2, "sentinel", "swiglu", False, "hf_fused"),
+    (700, 128, 192, 4, 2, "one_expert", "swiglu", False, "hf_fused"),
+    (1, 64, 64, 3, 2, "random", "swiglu", False, "hf_fused"),
+    (4099, 1024, 768, 32, 8, "random", "swiglu", False, "hf_fused"),
 ]
+FEATURES = [  # the same, for the other activations, biases and weight layouts (under FEATURES_PIN)
+    (1000, 320, 200, 8, 4, "empty_expert", "geglu", False, "dense"),
+    (900, 256, 384, 8, 2, "random", OAI, True, "hf_fused"),
+    (1000, 320, 200, 8, 4, "sentinel", OAI, True, "transposed"),
+    (700, 192, 256, 6, 2, "random", "relu", True, "dense"),
+    (800, 256, 192, 8, 2, "empty_expert", "gelu", False, "transposed"),
+    (900, 256, 384, 8, 2, "random", "swiglu", True, "list"),
+    (600, 192, 320, 8, 2, "one_expert", "silu", True, "list"),
+    (700, 256, 256, 6, 2, "random", "swiglu", True, "interleaved"),
+]
+# One pinned configuration for FEATURES: each new (activation, bias) variant would otherwise cost an
+# autotuning round (a compile and a benchmark per candidate and kernel), a few minutes in all. Its tile
+# shapes are those of the tuned candidates (dh: 2 x 64 columns); MB_FEATURES_PIN="" autotunes them too.
+FEATURES_PIN = os.environ.get("MB_FEATURES_PIN",
+                              "block_m=128,block_n=64,block_k=64,num_warps=8,num_stages=3,group_m=8,split_n=2")
+# (T, d, h, E, K, activation, layout): float32 gradient tables, accumulate=True into random float32 gradients,
+# autotuned: a shape of its own each, so that the accumulating launch is the first dw launch of its key (the
+# autotuner then times it on a scratch buffer).
+ACCUMULATE = [(777, 224, 160, 8, 2, "swiglu", "hf_fused"), (555, 160, 224, 8, 2, OAI, "list")]
+# Parts to run, in this order: small (SwiGLU), features, accumulate, configs (A-D: correctness, timing).
+PARTS = os.environ.get("MB_PARTS", "small,features,accumulate,configs").split(",")
 POLICIES = ("activations", "recompute")
 if DRY:
     CONFIGS = {"A": (64, 32, 48, 4, 2), "C": (50, 16, 24, 8, 3)}
-    SMALL = SMALL[:1] + [(5, 16, 16, 3, 2, "one_expert")]
-    SMALL[0] = (60, 40, 24, 8, 4, "empty_expert")
+    SMALL = [(60, 40, 24, 8, 4, "empty_expert", "swiglu", False, "hf_fused"), (5, 16, 16, 3, 2, "one_expert", "swiglu", False, "hf_fused")]
+    FEATURES = [(30, 24, 20, 4, 2, "random", OAI.replace("7.0", "0.6"), True, "hf_fused"),
+                (30, 24, 20, 4, 2, "random", "relu", True, "list"), (30, 24, 20, 4, 2, "random", "geglu", False, "interleaved")]
+    FEATURES_PIN = os.environ.get("MB_FEATURES_PIN", "block_m=16,block_n=16,block_k=16,num_warps=4,num_stages=1,split_n=2")
+    ACCUMULATE = [(33, 32, 16, 4, 2, "swiglu", "hf_fused")]
 
 
 def sync() -> None:
@@ -92,6 +129,23 @@ def bench(fn, warmup, rep, return_mode="median"):
     t = time.perf_counter()
     fn()
     return (time.perf_counter() - t) * 1e3
+
+
+@contextlib.contextmanager
+def pinned(spec):
+    """MOEBLAZE_KERNEL_CONFIG set to ``spec`` inside (read at every launch); None or "": left as it is."""
+    if not spec:
+        yield
+        return
+    old = os.environ.get(autotune.ENV_VAR)
+    os.environ[autotune.ENV_VAR] = spec
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[autotune.ENV_VAR]
+        else:
+            os.environ[autotune.ENV_VAR] = old
 
 
 def pick_dispatch():
@@ -126,18 +180,123 @@ def dispatch_with_fallback(ids, E, block_m):
     return reference.dispatch_reference(ids, E, block_m=block_m)
 
 
+# ---------------------------------------------------------------------------------------------
+# Weight layouts and their pointer tables
+# ---------------------------------------------------------------------------------------------
+_HAS_ALIGN_FIELD = "align" in tables_mod.WeightTable._fields
+_AlignedTable = None if _HAS_ALIGN_FIELD else \
+    __import__("collections").namedtuple("AlignedTable", tables_mod.WeightTable._fields + ("align",))
+
+
+def _alignment(view) -> int:
+    """Largest power of two <= 16 dividing every expert's byte address of this role."""
+    import math
+    if isinstance(view, list):
+        return math.gcd(16, *(t.data_ptr() for t in view))
+    return math.gcd(16, view.data_ptr(), view.stride(0) * view.element_size())
+
+
+def table(view):
+    """``table_of`` / ``table_of_list``, with the byte alignment attached when kernels.tables does not
+    record it itself (without it the kernels cannot use 16-byte loads on the weights)."""
+    if view is None:
+        return None
+    t = tables_mod.table_of_list(view) if isinstance(view, list) else tables_mod.table_of(view)
+    return t if _HAS_ALIGN_FIELD else _AlignedTable(*t, _alignment(view))
+
+
+def tables_of(views) -> "ExpertTables":
+    return ExpertTables(*(table(v) for v in views))
+
+
+def make_storage(layout, gated, E, d, h, g, dtype):
+    def rnd(*shape, fan_in):
+        return (torch.randn(*shape, device=DEVICE, generator=g) / fan_in ** 0.5).to(dtype)
+
+    if layout == "dense":
+        return [rnd(E, h, d, fan_in=d)] + ([rnd(E, h, d, fan_in=d)] if gated else []) + [rnd(E, d, h, fan_in=h)]
+    if layout == "transposed":
+        return [rnd(E, d, h, fan_in=d)] + ([rnd(E, d, h, fan_in=d)] if gated else []) + [rnd(E, h, d, fan_in=h)]
+    if layout in ("hf_fused", "interleaved"):
+        return [rnd(E, 2 * h, d, fan_in=d), rnd(E, d, h, fan_in=h)]
+    if layout == "list":  # a ModuleList of per-expert nn.Linear weights
+        return ([rnd(h, d, fan_in=d) for _ in range(E)] + ([rnd(h, d, fan_in=d) for _ in range(E)] if gated else [])
+                + [rnd(d, h, fan_in=h) for _ in range(E)])
+    raise ValueError(layout)
+
+
+def role_views(layout, st, gated, E):
+    """(gate, up or None, down) as [E, r, c] views of the storage, or lists of E [r, c] tensors."""
+    if layout == "dense":
+        return st[0], st[1] if gated else None, st[-1]
+    if layout == "transposed":
+        return st[0].transpose(1, 2), st[1].transpose(1, 2) if gated else None, st[-1].transpose(1, 2)
+    if layout == "hf_fused":
+        return (*reference.split_gate_up(st[0]), st[1])
+    if layout == "interleaved":
+        return st[0][:, 0::2], st[0][:, 1::2], st[1]
+    if layout == "list":
+        return st[:E], st[E:2 * E] if gated else None, st[-E:]
+    raise ValueError(layout)
+
+
+def dense(views):
+    return [None if v is None else torch.stack(v) if isinstance(v, list) else v for v in views]
+
+
+def make_inputs(T, d, h, E, K, ids_mode="router", seed=0, dtype=DTYPE, act="swiglu", bias=False, layout="hf_fused"):
+    gated = parse_activation(act).gated
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(T, d, device=DEVICE, generator=g).to(dtype)
+    if ids_mode == "router":  # softmax -> top-k -> renormalize, random logits
+        logits = torch.randn(T, E, device=DEVICE, generator=g)
+        w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+        weights = (w / w.sum(-1, keepdim=True)).to(dtype)
+    else:
+        ids = torch.randint(0, E, (T, K), device=DEVICE, generator=g)
+        if ids_mode == "empty_expert":
+            ids = torch.where(ids == 1, 0, ids)
+        elif ids_mode == "one_expert":
+            ids[:, 0] = 2
+            ids[:, 1:] = torch.where(ids[:, 1:] == 2, 0, ids[:, 1:])
+        elif ids_mode == "sentinel":
+            ids = torch.where(torch.rand(T, K, device=DEVICE, generator=g) < 0.3, E + 1, ids)
+            ids[0] = E
+        weights = (torch.rand(T, K, device=DEVICE, generator=g) + 0.1).to(dtype)
+    storage = make_storage(layout, gated, E, d, h, g, dtype)
+    biases = [None, None, None]
+    if bias:
+        biases = [(0.5 * torch.randn(E, n, device=DEVICE, generator=g)).to(dtype) if use else None
+                  for n, use in ((h, True), (h, gated), (d, True))]
+    grad_y = torch.randn(T, d, device=DEVICE, generator=g).to(dtype)
+    return dict(x=x, ids=ids, weights=weights, grad_y=grad_y, storage=storage, biases=biases, act=act,
+                layout=layout, E=E)
+
+
+def weight_tables(inp):
+    return tables_of(role_views(inp["layout"], inp["storage"], parse_activation(inp["act"]).gated, inp["E"]))
+
+
 class KernelMoE(torch.autograd.Function):
+    """SwiGLU on Hugging Face's fused [E, 2h, d] weight behind autograd, saving what the operator saves;
+    the weight gradients are written through tables into [E, 2h, d] / [E, d, h] storage (for timing)."""
+
     @staticmethod
     def forward(ctx, x, ids, weights, w_gate_up, w_down, policy):
-        plan = dispatch_with_fallback(ids, w_gate_up.shape[0], plan_block_m())
-        y, preact = expert_forward(x, weights, w_gate_up, w_down, plan, "swiglu", policy == "activations")
+        E = w_gate_up.shape[0]
+        plan = dispatch_with_fallback(ids, E, plan_block_m())
+        w = tables_of((*reference.split_gate_up(w_gate_up), w_down))
+        y, preact = expert_forward(x, weights, w, plan, "swiglu", policy == "activations")
         ctx.save_for_backward(x, weights, w_gate_up, w_down, preact, *plan)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weights, w_gate_up, w_down, preact, *plan = ctx.saved_tensors
-        dx, dw, dgu, dd = expert_backward(grad_y, x, weights, w_gate_up, w_down, preact, DispatchPlan(*plan), "swiglu")
+        dgu, dd = torch.empty_like(w_gate_up), torch.empty_like(w_down)
+        w = tables_of((*reference.split_gate_up(w_gate_up), w_down))
+        grads = tables_of((*reference.split_gate_up(dgu), dd))
+        dx, dw, *_ = expert_backward(grad_y, x, weights, w, preact, DispatchPlan(*plan), "swiglu", grads=grads)
         return dx, None, dw, dgu, dd, None
 
 
@@ -160,81 +319,87 @@ def poison_allocator(gib: float = 8.0) -> None:
         pass
 
 
-def make_inputs(T, d, h, E, K, ids_mode="router", seed=0, dtype=DTYPE):
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(T, d, device=DEVICE, generator=g).to(dtype)
-    if ids_mode == "router":  # softmax -> top-k -> renormalize, random logits
-        logits = torch.randn(T, E, device=DEVICE, generator=g)
-        w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
-        weights = (w / w.sum(-1, keepdim=True)).to(dtype)
-    else:
-        ids = torch.randint(0, E, (T, K), device=DEVICE, generator=g)
-        if ids_mode == "empty_expert":
-            ids = torch.where(ids == 1, 0, ids)
-        elif ids_mode == "one_expert":
-            ids[:, 0] = 2
-            ids[:, 1:] = torch.where(ids[:, 1:] == 2, 0, ids[:, 1:])
-        elif ids_mode == "sentinel":
-            ids = torch.where(torch.rand(T, K, device=DEVICE, generator=g) < 0.3, E + 1, ids)
-            ids[0] = E
-        weights = (torch.rand(T, K, device=DEVICE, generator=g) + 0.1).to(dtype)
-    w_gate_up = (torch.randn(E, 2 * h, d, device=DEVICE, generator=g) / d**0.5).to(dtype)
-    w_down = (torch.randn(E, d, h, device=DEVICE, generator=g) / h**0.5).to(dtype)
-    grad_y = torch.randn(T, d, device=DEVICE, generator=g).to(dtype)
-    return dict(x=x, ids=ids, weights=weights, w_gate_up=w_gate_up, w_down=w_down, grad_y=grad_y)
+def run_kernels(inp, policy, grads_dtype=None, grads_init=None, accumulate=False):
+    """Forward + backward through the kernels: [y, dx, dweights, *weight-gradient storage, *bias gradients]."""
+    act = parse_activation(inp["act"])
+    plan = dispatch_with_fallback(inp["ids"], inp["E"], plan_block_m())
+    w = weight_tables(inp)
+    y, preact = expert_forward(inp["x"], inp["weights"], w, plan, act, policy == "activations", *inp["biases"])
+    grads = ([g.clone() for g in grads_init] if grads_init is not None
+             else [torch.empty_like(s, dtype=grads_dtype or s.dtype) for s in inp["storage"]])
+    gw = tables_of(role_views(inp["layout"], grads, act.gated, inp["E"]))
+    dx, dweights, *dbias = expert_backward(inp["grad_y"], inp["x"], inp["weights"], w, preact, plan, act,
+                                           *inp["biases"], grads=gw, accumulate=accumulate)
+    return [y, dx, dweights] + grads + [b for b in dbias if b is not None]
 
 
-def run_kernels(inp, policy):
-    leaves = {k: inp[k].detach().clone().requires_grad_(True) for k in ("x", "weights", "w_gate_up", "w_down")}
-    y = KernelMoE.apply(leaves["x"], inp["ids"], leaves["weights"], leaves["w_gate_up"], leaves["w_down"], policy)
-    y.backward(inp["grad_y"])
-    return [y.detach()] + [leaves[k].grad for k in ("x", "weights", "w_gate_up", "w_down")]
-
-
-NAMES = ("y", "dx", "dweights", "dw_gate_up", "dw_down")
+def names_of(inp):
+    n_bias = sum(b is not None for b in inp["biases"])
+    return ["y", "dx", "dweights"] + [f"dW[{i}]" for i in range(len(inp["storage"]))] + \
+        [f"dbias[{i}]" for i in range(n_bias)]
 
 
 def ref_autograd_fp32(inp):
-    leaves = {k: inp[k].detach().float().requires_grad_(True) for k in ("x", "weights", "w_gate_up", "w_down")}
-    y = reference.moe_ffn_reference(leaves["x"], inp["ids"], leaves["weights"], leaves["w_gate_up"], leaves["w_down"])
+    """The same outputs from ``moe_ffn_reference`` in fp32, by autograd (weight gradients in storage layout)."""
+    act = parse_activation(inp["act"])
+
+    def leaf(t):
+        return None if t is None else t.detach().float().requires_grad_(True)
+    x, weights = leaf(inp["x"]), leaf(inp["weights"])
+    storage = [leaf(s) for s in inp["storage"]]
+    biases = [leaf(b) for b in inp["biases"]]
+    p = ExpertParams(*dense(role_views(inp["layout"], storage, act.gated, inp["E"])), *biases)
+    y = reference.moe_ffn_reference(x, inp["ids"], weights, p, act)
     y.backward(inp["grad_y"].float())
-    return [y.detach()] + [leaves[k].grad for k in ("x", "weights", "w_gate_up", "w_down")]
+
+    def grad(t):
+        return t.grad if t.grad is not None else torch.zeros_like(t)
+    return [y.detach(), grad(x), grad(weights)] + [grad(s) for s in storage] + [grad(b) for b in biases if b is not None]
 
 
 def ref_torch_path_fp32(inp):
-    f = {k: inp[k].float() for k in ("x", "weights", "w_gate_up", "w_down", "grad_y")}
-    y, preact, plan = reference.moe_ffn_forward_torch(f["x"], inp["ids"], f["weights"], f["w_gate_up"], f["w_down"],
-                                                      "swiglu", False)
-    grads = reference.moe_ffn_backward_torch(f["grad_y"], f["x"], inp["ids"], f["weights"], f["w_gate_up"],
-                                             f["w_down"], preact, plan, "swiglu")
-    return [y, *grads]
+    """The fp32 plain-PyTorch operator path (configs A-D: SwiGLU on a fused weight, no biases)."""
+    f = {k: inp[k].float() for k in ("x", "weights", "grad_y")}
+    w_gate_up, w_down = (s.float() for s in inp["storage"])
+    p = ExpertParams(*reference.split_gate_up(w_gate_up), w_down)
+    y, preact, plan = reference.moe_ffn_forward_torch(f["x"], inp["ids"], f["weights"], p, "swiglu", False)
+    dx, dw, grads = reference.moe_ffn_backward_torch(f["grad_y"], f["x"], inp["ids"], f["weights"], p, preact, plan,
+                                                     "swiglu")
+    return [y, dx, dw, torch.cat([grads.gate, grads.up], dim=1), grads.down]
 
 
 def dweights_scale(inp):
-    """sum_n |dH'_n| |H_n| per pair (fp32): dweights = <dH', H> is judged against the size of its summands
-    (see tests/kernels/test_expert.py: a cancelling dot product over bf16-rounded A|B)."""
-    x, gy, wgu, wd = (inp[k].float() for k in ("x", "grad_y", "w_gate_up", "w_down"))
-    ids = inp["ids"]
-    h = wgu.shape[1] // 2
+    """sum_n |dH'_n| |H_n| + sum_j |dy_j| |b_down_j| per pair (fp32): dweights = <dH', H> + <dy, b_down> is
+    judged against the size of its summands (see tests/kernels/test_expert.py: a cancelling dot product
+    over bf16-rounded A|B)."""
+    act = parse_activation(inp["act"])
+    x, gy, ids = inp["x"].float(), inp["grad_y"].float(), inp["ids"]
+    p = ExpertParams(*[None if t is None else t.float() for t in
+                       dense(role_views(inp["layout"], inp["storage"], act.gated, inp["E"])) + inp["biases"]])
     scale = torch.zeros(ids.shape, dtype=torch.float32, device=x.device)
-    for e in range(wgu.shape[0]):
+    for e in range(inp["E"]):
         t, k = torch.where(ids == e)
-        pre = x[t] @ wgu[e].t()
-        scale[t, k] = ((gy[t] @ wd[e]).abs() * (torch.nn.functional.silu(pre[:, :h]) * pre[:, h:]).abs()).sum(1)
+        gate = x[t] @ p.gate[e].t() + (0 if p.gate_bias is None else p.gate_bias[e])
+        up = None if p.up is None else x[t] @ p.up[e].t() + (0 if p.up_bias is None else p.up_bias[e])
+        sc = ((gy[t] @ p.down[e]).abs() * reference.activation_forward(act, gate, up).abs()).sum(1)
+        if p.down_bias is not None:
+            sc = sc + (gy[t].abs() * p.down_bias[e].float().abs()).sum(1)
+        scale[t, k] = sc
     return scale
 
 
-def check(inp, ref, policy):
+def check(inp, ref, policy, names, **kw):
     poison_allocator()
-    out1 = run_kernels(inp, policy)
-    errs = {n: rel_err(o, r) for n, o, r in zip(NAMES, out1, ref)}
-    out2 = run_kernels(inp, policy)
+    out1 = run_kernels(inp, policy, **kw)
+    errs = {n: rel_err(o, r) for n, o, r in zip(names, out1, ref)}
+    out2 = run_kernels(inp, policy, **kw)
     bitwise = all(torch.equal(a, b) for a, b in zip(out1, out2))
-    return errs, bitwise
+    return errs, bitwise, out1
 
 
 def saved_bytes(inp, policy) -> int:
-    params = {inp["w_gate_up"].untyped_storage().data_ptr(), inp["w_down"].untyped_storage().data_ptr()}
+    w_gate_up, w_down = inp["storage"]
+    params = {w_gate_up.untyped_storage().data_ptr(), w_down.untyped_storage().data_ptr()}
     seen = {}
 
     def pack(t):
@@ -246,7 +411,7 @@ def saved_bytes(inp, policy) -> int:
     x = inp["x"].detach().requires_grad_(True)
     w = inp["weights"].detach().requires_grad_(True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = KernelMoE.apply(x, inp["ids"], w, inp["w_gate_up"], inp["w_down"], policy)
+        y = KernelMoE.apply(x, inp["ids"], w, w_gate_up, w_down, policy)
     del y
     return sum(seen.values())
 
@@ -254,10 +419,11 @@ def saved_bytes(inp, policy) -> int:
 def time_config(name, inp, policy):
     T, d = inp["x"].shape
     K = inp["ids"].shape[1]
-    E, two_h, _ = inp["w_gate_up"].shape
+    w_gate_up, w_down = inp["storage"]
+    E, two_h, _ = w_gate_up.shape
     h = two_h // 2
-    wgu = inp["w_gate_up"].detach().requires_grad_(True)
-    wd = inp["w_down"].detach().requires_grad_(True)
+    wgu = w_gate_up.detach().requires_grad_(True)
+    wd = w_down.detach().requires_grad_(True)
     x = inp["x"].detach().requires_grad_(True)
     w = inp["weights"].detach().requires_grad_(True)
     gy = inp["grad_y"]
@@ -270,12 +436,16 @@ def time_config(name, inp, policy):
     def fwd():
         with torch.no_grad():
             plan = dispatch_with_fallback(inp["ids"], E, plan_block_m())
-            return expert_forward(x, w, wgu, wd, plan, "swiglu", policy == "activations"), plan
+            tabs = tables_of((*reference.split_gate_up(wgu), wd))
+            return expert_forward(x, w, tabs, plan, "swiglu", policy == "activations"), plan
 
     (y0, preact), plan = fwd()
+    grad_bufs = [torch.empty_like(wgu), torch.empty_like(wd)]  # what the operator allocates per backward
 
     def bwd():
-        return expert_backward(gy, x, w, wgu, wd, preact, plan, "swiglu")
+        tabs = tables_of((*reference.split_gate_up(wgu), wd))
+        grads = tables_of((*reference.split_gate_up(grad_bufs[0]), grad_bufs[1]))
+        return expert_backward(gy, x, w, tabs, preact, plan, "swiglu", grads=grads)
 
     step()
     step()  # autotuning and compilation happen here, outside the timed region
@@ -286,6 +456,7 @@ def time_config(name, inp, policy):
     ms_fwd = bench(lambda: fwd(), warmup=est, rep=rep / 2, return_mode="median")
     ms_bwd = bench(bwd, warmup=est, rep=rep / 2, return_mode="median")
     del y0
+    grad_bufs.clear()
     sync()
     peak = 0
     if not DRY:
@@ -316,42 +487,46 @@ def micro(result) -> None:
     N = T * K
     inp = make_inputs(T, d, h, E, K, seed=2)
     plan = dispatch_with_fallback(inp["ids"], E, plan_block_m())
-    x, gy, w, wgu, wd = inp["x"], inp["grad_y"], inp["weights"], inp["w_gate_up"], inp["w_down"]
-    _, preact = expert_forward(x, w, wgu, wd, plan, "swiglu", True)
+    x, gy, w = inp["x"], inp["grad_y"], inp["weights"]
+    wgu, wd = inp["storage"]
+    wtabs = weight_tables(inp)
+    _, preact = expert_forward(x, w, wtabs, plan, "swiglu", True)
     dpre = torch.randn(N, 2 * h, device=DEVICE, dtype=DTYPE)
     hw = torch.randn(N, h, device=DEVICE, dtype=DTYPE)
     tok = (plan.token_index.long() // K)
     gy_slots, x_slots = gy[tok], x[tok]  # pre-gathered copies: only to measure what the gather costs
     out_dd = torch.empty_like(wd)
-    out_dgu = torch.empty_like(wgu)
+    out_dg = torch.empty(E, h, d, device=DEVICE, dtype=DTYPE)
+    t_dd, t_dg = table(out_dd), table(out_dg)
     rows = []
     kern = expert_bwd._expert_dw_kernel
     off = plan.offsets
 
     def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm):
-        m_dim, n_dim = out.shape[1], out.shape[2]
+        m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
-        kern[grid](a, b, out, plan.token_index, off, m_dim, n_dim, K, a.stride(0), a.stride(1), b.stride(0),
-                   b.stride(1), out.stride(0), out.stride(1), out.stride(2), GATHER_A=gather_a, GATHER_B=gather_b,
-                   DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
+        kern[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, a.stride(0), a.stride(1), b.stride(0),
+                   b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b, OUT_FP32=False,
+                   ACCUMULATE=False, O_ALIGN=expert_fwd.table_align(out), DOT_PRECISION="tf32",
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
 
-    flops_dd, flops_dgu = 2 * N * d * h, 4 * N * d * h
+    flops_dd, flops_dg = 2 * N * d * h, 2 * N * d * h
     variants = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (256, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 1),
                 (128, 128, 128, 8, 3, 8), (128, 256, 32, 8, 5, 8)]
     for v in variants:
         try:
-            ms1 = bench(lambda: dw_launch(gy, hw, True, False, out_dd, *v), warmup=50, rep=200)
-            ms2 = bench(lambda: dw_launch(dpre, x, False, True, out_dgu, *v), warmup=50, rep=200)
+            ms1 = bench(lambda: dw_launch(gy, hw, True, False, t_dd, *v), warmup=50, rep=200)
+            ms2 = bench(lambda: dw_launch(dpre[:, :h], x, False, True, t_dg, *v), warmup=50, rep=200)
             rows.append(dict(kernel="dw", variant=str(v), dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
-                             dW_gu_ms=ms2, dW_gu_tflops=flops_dgu / ms2 / 1e9))
+                             dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(kernel="dw", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
         log(f"micro {rows[-1]}")
     v = variants[0]
-    ms1 = bench(lambda: dw_launch(gy_slots, hw, False, False, out_dd, *v), warmup=50, rep=200)
-    ms2 = bench(lambda: dw_launch(dpre, x_slots, False, False, out_dgu, *v), warmup=50, rep=200)
+    ms1 = bench(lambda: dw_launch(gy_slots, hw, False, False, t_dd, *v), warmup=50, rep=200)
+    ms2 = bench(lambda: dw_launch(dpre[:, :h], x_slots, False, False, t_dg, *v), warmup=50, rep=200)
     rows.append(dict(kernel="dw no gather (pre-gathered copies)", variant=str(v), dW_down_ms=ms1,
-                     dW_down_tflops=flops_dd / ms1 / 1e9, dW_gu_ms=ms2, dW_gu_tflops=flops_dgu / ms2 / 1e9))
+                     dW_down_tflops=flops_dd / ms1 / 1e9, dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
     log(f"micro {rows[-1]}")
     bounds = off.tolist()
 
@@ -360,32 +535,33 @@ def micro(result) -> None:
             lo, hi = bounds[e], bounds[e + 1]
             torch.mm(a[lo:hi].t(), b[lo:hi], out=out[e])
     ms1 = bench(lambda: cublas(gy_slots, hw, out_dd), warmup=50, rep=200)
-    ms2 = bench(lambda: cublas(dpre, x_slots, out_dgu), warmup=50, rep=200)
+    ms2 = bench(lambda: cublas(dpre[:, :h], x_slots, out_dg), warmup=50, rep=200)
     rows.append(dict(kernel="cuBLAS per-expert mm (pre-gathered)", dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
-                     dW_gu_ms=ms2, dW_gu_tflops=flops_dgu / ms2 / 1e9))
+                     dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
     log(f"micro {rows[-1]}")
 
     part = torch.zeros(h // 64 + 8, N, device=DEVICE, dtype=torch.float32)
     num_tiles = plan.tile_expert.numel()
+    g_t, u_t, d_t = wtabs
     for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 1, 8), (64, 64, 8, 4, 2, 8), (64, 64, 8, 3, 2, 8),
                                       (64, 128, 8, 3, 2, 8), (64, 64, 8, 4, 2, 16), (128, 64, 8, 3, 1, 8)]:
         grid = (num_tiles * triton.cdiv(h, bn * split),)
         try:
             ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
-                gy, x, wgu, wd, w, preact, dpre, hw, part, plan.token_index, off, plan.tile_expert, plan.tile_start,
-                num_tiles, d, h, K, gy.stride(0), gy.stride(1), x.stride(0), x.stride(1), wgu.stride(0), wgu.stride(1),
-                wgu.stride(2), wd.stride(0), wd.stride(1), wd.stride(2), w.stride(0), w.stride(1), preact.stride(0),
-                preact.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1), part.stride(0),
-                RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64, SPLIT_N=split, BLOCK_M=plan_block_m(),
-                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
+                gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, part, plan.token_index, off,
+                plan.tile_expert, plan.tile_start, num_tiles, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
+                x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c, d_t.stride_r, d_t.stride_c,
+                w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
+                hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
+                ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
+                W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
+                SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
+                num_stages=ns), warmup=50, rep=200)
             rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
         log(f"micro {rows[-1]}")
     result["micro"] = rows
-    del inp, preact, dpre, hw, gy_slots, x_slots, out_dd, out_dgu, part
-    if not DRY:
-        torch.cuda.empty_cache()
 
 
 def tuned_choices():
@@ -413,7 +589,8 @@ def main(outdir: str) -> None:
     commit = os.environ.get("MB_COMMIT", commit)
     meta = dict(device="cpu (dry run)" if DRY else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), commit=commit, kernels_dirty=bool(dirty),
-                block_m=plan_block_m(), pinned=os.environ.get(autotune.ENV_VAR, ""))
+                block_m=plan_block_m(), pinned=os.environ.get(autotune.ENV_VAR, ""),
+                table_align_field=_HAS_ALIGN_FIELD, parts=PARTS, features_pin=FEATURES_PIN)
     DISPATCH, DISPATCH_NOTE = pick_dispatch()
     meta["dispatch"] = DISPATCH_NOTE
     log(f"{meta}")
@@ -432,30 +609,64 @@ def main(outdir: str) -> None:
     del a, b, src, dst
     log(f"ceilings {result['ceilings']}")
 
-    # 2a. small ragged shapes vs the fp32 autograd reference
-    for T, d, h, E, K, mode in SMALL:
-        inp = make_inputs(T, d, h, E, K, ids_mode=mode, seed=T)
+    # 2a. small ragged shapes vs the fp32 autograd reference: SwiGLU, then activations, biases, weight layouts
+    for part, cases in (("small", SMALL), ("features", FEATURES)):
+        if part not in PARTS:
+            continue
+        t_part = time.time()
+        with pinned(FEATURES_PIN if part == "features" else None):
+            for T, d, h, E, K, mode, act, bias, layout in cases:
+                inp = make_inputs(T, d, h, E, K, ids_mode=mode, seed=T, act=act, bias=bias, layout=layout)
+                ref = ref_autograd_fp32(inp)
+                names = names_of(inp)
+                scale = float(dweights_scale(inp).norm())
+                for policy in POLICIES:
+                    errs, bitwise, _ = check(inp, ref, policy, names)
+                    errs["dweights"] = errs["dweights"] * float(ref[2].float().norm()) / max(scale, 1e-30)  # vs summands
+                    rec = dict(shape=(T, d, h, E, K), ids=mode, act=act, bias=bias, layout=layout, policy=policy,
+                               errs=errs, bitwise=bitwise, pinned=FEATURES_PIN if part == "features" else "")
+                    result["small"].append(rec)
+                    log(f"{part} {rec}")
+                del inp, ref
+        log(f"part {part}: {time.time() - t_part:.0f} s")
+
+    # 2b. float32 gradient tables, accumulate=True onto random float32 gradients (the autotuner's probe runs
+    # on a scratch buffer first: the result must still be C_before + the gradient)
+    t_part = time.time()
+    for T, d, h, E, K, act, layout in ACCUMULATE if "accumulate" in PARTS else []:
+        inp = make_inputs(T, d, h, E, K, ids_mode="empty_expert", seed=T, act=act, bias=True, layout=layout)
         ref = ref_autograd_fp32(inp)
-        scale = float(dweights_scale(inp).norm())
+        names = names_of(inp)
+        g = torch.Generator(device=DEVICE).manual_seed(5)
+        before = [torch.randn(s.shape, device=DEVICE, generator=g) for s in inp["storage"]]
+        n_st = len(before)
         for policy in POLICIES:
-            errs, bitwise = check(inp, ref, policy)
-            errs["dweights_vs_summands"] = errs["dweights"] * float(ref[2].float().norm()) / max(scale, 1e-30)
-            rec = dict(shape=(T, d, h, E, K), ids=mode, policy=policy, errs=errs, bitwise=bitwise)
+            errs, bitwise, out = check(inp, ref, policy, names, grads_init=before, accumulate=True)
+            for i in range(n_st):  # the weight gradients: what was added
+                errs[names[3 + i]] = rel_err(out[3 + i] - before[i], ref[3 + i])
+            untouched = all(torch.equal(o[1], b[1]) for o, b in zip(out[3:3 + n_st], before)) \
+                if layout != "list" else all(torch.equal(out[3 + i], before[i]) for i in range(1, n_st, E))
+            rec = dict(shape=(T, d, h, E, K), act=act, layout=layout, policy=policy, grads="float32, accumulate",
+                       errs=errs, bitwise=bitwise, empty_expert_untouched=untouched)
             result["small"].append(rec)
-            log(f"small {rec}")
+            log(f"accumulate {rec}")
+        del inp, ref, before
+    log(f"part accumulate: {time.time() - t_part:.0f} s")
 
     if os.environ.get("MB_MICRO") == "1":
         micro(result)
+        if not DRY:
+            torch.cuda.empty_cache()
 
-    # 2b + 3. configs A-D: correctness vs the fp32 torch path, then timing
-    for name, (T, d, h, E, K) in CONFIGS.items():
+    # 2c + 3. configs A-D: correctness vs the fp32 torch path, then timing
+    for name, (T, d, h, E, K) in CONFIGS.items() if "configs" in PARTS else []:
         if time.time() - T0 > BUDGET_S:
             log(f"budget reached: skipping config {name}")
             continue
         inp = make_inputs(T, d, h, E, K, seed=1)
         ref = ref_torch_path_fp32(inp)
         for policy in POLICIES:
-            errs, bitwise = check(inp, ref, policy)
+            errs, bitwise, _ = check(inp, ref, policy, names_of(inp))
             rec = dict(config=name, policy=policy, errs=errs, bitwise=bitwise)
             result["configs"].append(rec)
             log(f"config {rec}")
@@ -485,12 +696,19 @@ def main(outdir: str) -> None:
              f"dispatch: {meta['dispatch']}; router excluded",
              f"ceilings: bf16 GEMM {result['ceilings']['gemm_bf16_tflops']:.0f} TFLOP/s, "
              f"copy {result['ceilings']['copy_tb_s']:.2f} TB/s", ""]
-    worst_small = max((max(v for k, v in r["errs"].items() if k != "dweights") for r in result["small"]),
-                      default=float("nan"))
+    worst_small = max((max(r["errs"].values()) for r in result["small"]), default=float("nan"))
     all_bitwise = all(r["bitwise"] for r in result["small"] + result["configs"])
-    lines.append(f"small ragged shapes: worst rel err {worst_small:.2e} (dweights against its summands' size); "
-                 f"bitwise deterministic everywhere: {all_bitwise}")
-    lines += ["", "| config | policy | max rel err (y, dx, dw, dWgu, dWd) | bitwise |", "|---|---|---|---|"]
+    untouched = all(r.get("empty_expert_untouched", True) for r in result["small"])
+    lines.append(f"small ragged shapes ({len(result['small'])} runs: activations, biases, layouts, fp32/accumulated "
+                 f"gradients): worst rel err {worst_small:.2e} (dweights against its summands' size); "
+                 f"bitwise deterministic everywhere: {all_bitwise}; accumulate leaves empty experts untouched: {untouched}")
+    if not _HAS_ALIGN_FIELD:
+        lines.append("note: kernels.tables.WeightTable has no `align` field; this script attached the alignment itself")
+    worst = sorted(result["small"], key=lambda r: -max(r["errs"].values()))[:3]
+    lines += ["worst small runs: " + "; ".join(f"{r.get('act')} {r.get('layout')} {r['shape']} {r['policy']}: "
+                                                 f"{max(r['errs'], key=r['errs'].get)}={max(r['errs'].values()):.1e}"
+                                                 for r in worst)]
+    lines += ["", "| config | policy | max rel err (y, dx, dw, dW_gate_up, dW_down) | bitwise |", "|---|---|---|---|"]
     for r in result["configs"]:
         e = r["errs"]
         lines.append(f"| {r['config']} | {r['policy']} | {max(e.values()):.2e} ("

@@ -23,6 +23,9 @@ class MoEBlazeConfig:
     checkpoint: str = "activations"
     # Bytes of pre-activations a region may save under checkpoint="auto".
     memory_budget: int = 1 << 30
+    # Bytes of transient per-slot buffers the operator may hold at once: tokens are processed in
+    # chunks that fit (weight gradients accumulate across chunks). 0: all tokens at once.
+    transient_budget: int = 2 << 30
     # Prove each candidate numerically (forward and every gradient, small random inputs at compile
     # time) before rewriting it. Off: shapes and structure alone decide.
     verify: bool = True
@@ -36,8 +39,10 @@ class MoEBlazeConfig:
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINT_CHOICES:
             raise ValueError(f"moeblaze: checkpoint must be one of {CHECKPOINT_CHOICES}, got {self.checkpoint!r}")
-        if not isinstance(self.memory_budget, int) or self.memory_budget < 0:
-            raise ValueError(f"moeblaze: memory_budget must be a non-negative number of bytes, got {self.memory_budget!r}")
+        for budget in ("memory_budget", "transient_budget"):
+            value = getattr(self, budget)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"moeblaze: {budget} must be a non-negative number of bytes, got {value!r}")
         for flag in ("verify", "inductor", "enabled"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"moeblaze: option {flag!r} must be True or False, got {getattr(self, flag)!r}")

@@ -1,17 +1,27 @@
 """The MoEBlaze operators, registered with ``torch.library``.
 
-``torch.ops.moeblaze.moe_ffn(x, ids, weights, w_gate_up, w_down, activation, checkpoint)``
-returns ``(y, preact, offsets, token_index, slot_of, tile_expert, tile_start)``:
+``torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)``
+returns ``(y, preact)``:
 
 * ``y [T, d]`` in x's dtype: ``y[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t])``;
-* ``preact [T*K, 2h]`` (the gate/up pre-activations, slot order) under ``checkpoint="activations"``,
-  an empty ``[0]`` tensor under ``"recompute"``;
-* the dispatch plan (see ``kernels.reference.DispatchPlan``), int32.
+* ``preact [T*K, 2h]`` (gate|up pre-activations, biases included; ``[T*K, h]`` for a plain
+  activation) in the slot order of each token chunk under ``checkpoint="activations"``, an empty
+  ``[0]`` tensor under ``"recompute"``. Only ``y`` is meant for callers.
 
-Only ``y`` is meant for callers (``moeblaze_fx.moe_ffn`` returns it); the other outputs exist so that
-AOTAutograd saves exactly them for ``moeblaze::moe_ffn_backward`` and nothing else: x, the index
-structures and, under the default policy, the pre-activations. All output shapes are static functions
-of the input shapes (no unbacked sizes, no host synchronisation), so dynamic T and CUDA graphs work.
+The expert parameters arrive as they are stored: ``params`` is the list of parameter tensors and
+``layout`` (see :class:`RoleView`, :func:`encode_layout`) says where in them each *role* lives (gate
+``[E, h, d]``, up ``[E, h, d]``, down ``[E, d, h]`` and the optional biases): a strided view of one
+``[E, ...]`` tensor (fused, transposed, interleaved or separate weights) or the same view of E
+separate per-expert tensors (``ModuleList`` experts). Nothing is stacked or copied: the kernels read
+the weights through per-expert pointer tables and write the weight gradients straight into storage
+of each parameter's own layout.
+
+AOTAutograd saves for ``moeblaze::moe_ffn_backward`` exactly x, the ids, the routing weights and,
+under the default policy, the pre-activations; the dispatch plan (a few int32 per pair) is rebuilt in
+backward by the same deterministic dispatch. Tokens are processed in chunks of ``chunk_tokens``
+(0: all at once), which bounds the operator's transient buffers; weight gradients are accumulated
+across chunks. All output shapes are static functions of the input shapes (no host synchronisation),
+so dynamic T and CUDA graphs work.
 
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
 bfloat16/float16 by the Triton kernels in ``kernels/`` where they are available.
@@ -20,19 +30,24 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple, Sequence
 
+import numpy
 import torch
 from torch import Tensor
 
 from .kernels import reference
-from .kernels.reference import GATED_ACTIVATIONS, DispatchPlan
+from .kernels.reference import ACTIVATIONS, Activation, DispatchPlan, ExpertParams, parse_activation
 
-__all__ = ["moe_ffn", "CHECKPOINT_POLICIES", "ACTIVATIONS"]
+__all__ = ["moe_ffn", "CHECKPOINT_POLICIES", "ACTIVATIONS", "ROLES", "RoleView", "encode_layout", "decode_layout",
+           "layout_of", "default_chunk_tokens"]
 
 CHECKPOINT_POLICIES = ("activations", "recompute")
-ACTIVATIONS = GATED_ACTIVATIONS
+ROLES = ExpertParams._fields  # gate, up, down, gate_bias, up_bias, down_bias
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CPU_BLOCK_M = 64
+# Default bound on the operator's transient buffers per chunk of tokens (see default_chunk_tokens).
+DEFAULT_TRANSIENT_BUDGET = 2 << 30
 log = logging.getLogger("moeblaze_fx")
 
 
@@ -42,8 +57,157 @@ def plan_block_m(device: torch.device) -> int:
     return kernels[1].plan_block_m() if kernels is not None else _CPU_BLOCK_M
 
 
-def _check_inputs(x, ids, weights, w_gate_up, w_down, activation, checkpoint) -> None:
-    """Validate the operator's contract; every message names the problem and the fix."""
+# ---------------------------------------------------------------------------------------------
+# Where each role lives in the parameters
+# ---------------------------------------------------------------------------------------------
+class RoleView(NamedTuple):
+    """One role of every expert as a strided view of parameter storage.
+
+    ``count == 1``: ``params[first]`` holds all experts; expert e's matrix starts ``offset + e*stride_e``
+    elements after the parameter's first element. ``count == E``: ``params[first + e]`` holds expert e,
+    starting ``offset`` elements after its first element (``stride_e`` unused). A bias is a matrix of
+    ``cols == 1``."""
+
+    first: int
+    count: int
+    offset: int
+    stride_e: int
+    stride_r: int
+    stride_c: int
+    rows: int
+    cols: int
+
+    def numel(self, num_experts: int) -> int:
+        return num_experts * self.rows * self.cols
+
+
+_ABSENT = (-1, 0, 0, 0, 0, 0, 0, 0)
+
+
+def encode_layout(num_experts: int, views: Sequence[RoleView | None]) -> list[int]:
+    """The operator's ``layout`` argument: E, then 8 ints per role in :data:`ROLES` order (-1 = absent)."""
+    if len(views) != len(ROLES):
+        raise ValueError(f"encode_layout needs one view (or None) per role {ROLES}, got {len(views)}")
+    out = [int(num_experts)]
+    for v in views:
+        out.extend(_ABSENT if v is None else (int(i) for i in v))
+    return out
+
+
+def decode_layout(layout: Sequence[int]) -> tuple[int, list[RoleView | None]]:
+    layout = [int(v) for v in layout]
+    n = len(ROLES) * len(RoleView._fields)
+    if len(layout) != 1 + n:
+        raise ValueError(f"moeblaze.moe_ffn: layout must hold 1 + {n} ints (see encode_layout), got {len(layout)}")
+    views = [RoleView(*layout[1 + 8 * i: 9 + 8 * i]) for i in range(len(ROLES))]
+    return int(layout[0]), [None if v.first < 0 else v for v in views]
+
+
+def layout_of(experts: ExpertParams) -> tuple[list[Tensor], list[int]]:
+    """``(params, layout)`` for expert tensors given as ``[E, ...]`` tensors or views of them (biases
+    ``[E, n]``): each role is described as a view of its base tensor, so gradients reach the base."""
+    params: list[Tensor] = []
+    views: list[RoleView | None] = []
+    E = experts.gate.shape[0]
+    for t in experts:
+        if t is None:
+            views.append(None)
+            continue
+        if t.dim() not in (2, 3) or t.shape[0] != E:
+            raise ValueError(f"moeblaze.moe_ffn: every expert tensor must be [E, ...] with E = {E} experts (from the gate); "
+                             f"got shapes {[None if u is None else tuple(u.shape) for u in experts]}")
+        t3 = t if t.dim() == 3 else t.unsqueeze(-1)
+        base = t._base if t._base is not None else t
+        index = next((i for i, p in enumerate(params) if p is base), None)
+        if index is None:
+            params.append(base)
+            index = len(params) - 1
+        views.append(RoleView(index, 1, t3.storage_offset() - base.storage_offset(), t3.stride(0), t3.stride(1),
+                              t3.stride(2), t3.shape[1], t3.shape[2]))
+    return params, encode_layout(E, views)
+
+
+def _role_value(params: Sequence[Tensor], v: RoleView, E: int) -> Tensor | list[Tensor]:
+    """The role as an ``[E, rows, cols]`` view (count 1) or a list of E ``[rows, cols]`` views."""
+    if v.count == 1:
+        p = params[v.first]
+        return p.as_strided((E, v.rows, v.cols), (v.stride_e, v.stride_r, v.stride_c), p.storage_offset() + v.offset)
+    return [p.as_strided((v.rows, v.cols), (v.stride_r, v.stride_c), p.storage_offset() + v.offset)
+            for p in params[v.first: v.first + v.count]]
+
+
+def _dense(value: Tensor | list[Tensor], is_bias: bool) -> Tensor:
+    t = torch.stack(value) if isinstance(value, list) else value
+    return t.squeeze(-1) if is_bias else t
+
+
+def dense_experts(params: Sequence[Tensor], layout: Sequence[int]) -> ExpertParams:
+    """Every role as an ``[E, ...]`` tensor: views where one parameter holds all experts, a stack of
+    the per-expert tensors otherwise (the plain-PyTorch path and the reference)."""
+    E, views = decode_layout(layout)
+    return ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), role.endswith("bias"))
+                          for role, v in zip(ROLES, views)])
+
+
+@functools.lru_cache(maxsize=512)
+def _check_layout(shapes: tuple, layout: tuple[int, ...]) -> str | None:
+    """Why ``layout`` does not fit parameters of ``shapes`` (numel, storage extent), or None."""
+    E, views = decode_layout(layout)
+    gate, up, down = views[:3]
+    if gate is None or down is None:
+        return "the layout must give the gate and down roles"
+    for role, v in zip(ROLES, views):
+        if v is None:
+            continue
+        if v.count not in (1, E) or v.first + v.count > len(shapes) or v.first < 0:
+            return f"role {role!r} names parameters {v.first}..{v.first + v.count - 1} of {len(shapes)}"
+        if min(v.offset, v.stride_e, v.stride_r, v.stride_c, v.rows, v.cols) < 0:
+            return f"role {role!r} has a negative offset, stride or size: {v}"
+        extent = v.offset + (v.rows - 1) * v.stride_r + (v.cols - 1) * v.stride_c + 1
+        if v.count == 1:
+            extent += (E - 1) * v.stride_e
+        for numel in shapes[v.first: v.first + v.count]:
+            if v.rows * v.cols > 0 and extent > numel:
+                return f"role {role!r} reaches element {extent - 1} of a parameter of {numel} elements"
+    # roles sharing a parameter must not overlap: each gradient element is written by one role
+    for i, a in enumerate(views):
+        for b in views[i + 1:]:
+            if a is not None and b is not None and a.first == b.first and _overlap(a, b, E):
+                return f"roles overlap in parameter {a.first}: {a} and {b}"
+    return None
+
+
+def _overlap(a: RoleView, b: RoleView, E: int) -> bool:
+    ea = E if a.count == 1 else 1
+    eb = E if b.count == 1 else 1
+    if (a.stride_e, a.stride_r, a.stride_c, a.rows, a.cols) != (b.stride_e, b.stride_r, b.stride_c, b.rows, b.cols) \
+            or ea != eb or 0 in (a.stride_c, a.stride_r):
+        # different shapes: compare index sets (only small parameters reach this)
+        ia = set(_indices(a, ea)) if ea * a.rows * a.cols <= 1 << 22 else None
+        return ia is None or any(i in ia for i in _indices(b, eb))
+    # same shape and strides: overlap iff offset difference = i*s_e + j*s_r + k*s_c with |i|<E, |j|<rows, |k|<cols
+    # (numpy, not torch: this also runs under fake-tensor tracing)
+    delta = abs(b.offset - a.offset)
+    j = numpy.arange(-a.rows + 1, a.rows, dtype=numpy.int64)
+    for e in range(-ea + 1, ea):
+        r = delta - e * a.stride_e - j * a.stride_r
+        k = numpy.floor_divide(r, a.stride_c)
+        if bool(((r - k * a.stride_c == 0) & (numpy.abs(k) < a.cols)).any()):
+            return True
+    return False
+
+
+def _indices(v: RoleView, e_count: int):
+    for e in range(e_count):
+        for r in range(v.rows):
+            base = v.offset + e * v.stride_e + r * v.stride_r
+            for c in range(v.cols):
+                yield base + c * v.stride_c
+
+
+def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens) -> tuple[int, Activation]:
+    """Validate the operator's contract; every message names the problem and the fix. Returns (h, act)."""
+    layout = [int(v) for v in layout]  # SymInts under dynamic-shape tracing: the layout is static
     if x.dim() != 2:
         raise ValueError(f"moeblaze.moe_ffn: x must be [T, d]; got shape {tuple(x.shape)} (reshape tokens to 2-D)")
     if ids.dim() != 2:
@@ -52,42 +216,49 @@ def _check_inputs(x, ids, weights, w_gate_up, w_down, activation, checkpoint) ->
         raise ValueError(f"moeblaze.moe_ffn: weights must be [T, K]; got shape {tuple(weights.shape)}")
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"moeblaze.moe_ffn: ids must be int32 or int64, got {ids.dtype}")
-    for name, t in (("x", x), ("weights", weights), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+    for name, t in [("x", x), ("weights", weights)] + [(f"params[{i}]", p) for i, p in enumerate(params)]:
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"moeblaze.moe_ffn: {name} has unsupported dtype {t.dtype}; use one of {_FLOAT_DTYPES}")
-    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise TypeError(
-            f"moeblaze.moe_ffn: x, w_gate_up and w_down must share a dtype; got {x.dtype}, {w_gate_up.dtype}, "
-            f"{w_down.dtype} (cast the tokens or the weights first)"
-        )
-    if w_gate_up.dim() != 3 or w_down.dim() != 3:
-        raise ValueError(
-            f"moeblaze.moe_ffn: w_gate_up must be [E, 2h, d] and w_down [E, d, h]; got {tuple(w_gate_up.shape)} "
-            f"and {tuple(w_down.shape)}"
-        )
+    if any(p.dtype != x.dtype for p in params):
+        raise TypeError(f"moeblaze.moe_ffn: the expert parameters must have x's dtype {x.dtype}; got "
+                        f"{sorted({str(p.dtype) for p in params})} (cast the tokens or the weights first)")
     T, d = x.shape
-    E, two_h, d_in = w_gate_up.shape
     if tuple(ids.shape) != tuple(weights.shape) or ids.shape[0] != T:
-        raise ValueError(
-            f"moeblaze.moe_ffn: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, K] with "
-            f"T = {T} tokens of x"
-        )
-    if d_in != d:
-        raise ValueError(f"moeblaze.moe_ffn: w_gate_up is [E, 2h, d] = {tuple(w_gate_up.shape)} but x has d = {d}")
-    if two_h % 2:
-        raise ValueError(f"moeblaze.moe_ffn: w_gate_up's rows (gate then up) must be even, got 2h = {two_h}")
-    if tuple(w_down.shape) != (E, d, two_h // 2):
-        raise ValueError(
-            f"moeblaze.moe_ffn: w_down must be [E, d, h] = {(E, d, two_h // 2)} to match w_gate_up "
-            f"{tuple(w_gate_up.shape)}; got {tuple(w_down.shape)}"
-        )
-    devices = {t.device for t in (x, ids, weights, w_gate_up, w_down)}
+        raise ValueError(f"moeblaze.moe_ffn: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
+                         f"[T, K] with T = {T} tokens of x")
+    devices = {t.device for t in (x, ids, weights, *params)}
     if len(devices) != 1:
         raise ValueError(f"moeblaze.moe_ffn: all inputs must be on one device, got {sorted(map(str, devices))}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moeblaze.moe_ffn: unknown activation {activation!r}; supported: {ACTIVATIONS}")
+    if any(not _dense_storage(p) for p in params):
+        raise ValueError("moeblaze.moe_ffn: expert parameters must be non-overlapping and dense (a parameter, not a "
+                         "view with gaps); pass the underlying tensor and describe the view in the layout")
+    act = parse_activation(activation) if isinstance(activation, str) else None
+    if act is None:
+        raise ValueError(f"moeblaze.moe_ffn: activation must be a string, got {activation!r}")
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"moeblaze.moe_ffn: unknown checkpoint policy {checkpoint!r}; supported: {CHECKPOINT_POLICIES}")
+    if not isinstance(chunk_tokens, (int, torch.SymInt)) or chunk_tokens < 0:
+        raise ValueError(f"moeblaze.moe_ffn: chunk_tokens must be an int >= 0 (0: no chunking), got {chunk_tokens!r}")
+    E, views = decode_layout(layout)
+    why = _check_layout(tuple(int(p.numel()) for p in params), tuple(layout))
+    if why:
+        raise ValueError(f"moeblaze.moe_ffn: bad layout: {why}")
+    gate, up, down, gate_bias, up_bias, down_bias = views
+    h = gate.rows
+    if (up is not None) != act.gated:
+        raise ValueError(f"moeblaze.moe_ffn: activation {act.name!r} {'needs an' if act.gated else 'takes no'} up role")
+    want = {"gate": (h, d), "up": (h, d), "down": (d, h), "gate_bias": (h, 1), "up_bias": (h, 1), "down_bias": (d, 1)}
+    for role, v in zip(ROLES, views):
+        if v is not None and (v.rows, v.cols) != want[role]:
+            raise ValueError(f"moeblaze.moe_ffn: role {role!r} is [{v.rows}, {v.cols}] per expert; with d = {d} and "
+                             f"h = {h} it must be {list(want[role])}")
+    if up_bias is not None and up is None:
+        raise ValueError("moeblaze.moe_ffn: an up bias needs an up role")
+    return h, act
+
+
+def _dense_storage(p: Tensor) -> bool:
+    return p.is_contiguous() or p.dim() < 2 or torch._prims_common.is_non_overlapping_and_dense(p)
 
 
 def _check_ids_range(ids: Tensor) -> None:
@@ -104,13 +275,13 @@ def _check_ids_range(ids: Tensor) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
-    """(dispatch, expert_fwd, expert_bwd) modules, or None where Triton or the kernels are missing."""
+    """(dispatch, expert_fwd, expert_bwd, tables) modules, or None where Triton or the kernels are missing."""
     try:
-        from .kernels import dispatch, expert_bwd, expert_fwd
+        from .kernels import dispatch, expert_bwd, expert_fwd, tables
     except ImportError as exc:
         log.debug("moeblaze: Triton kernels unavailable (%s); using the PyTorch implementation", exc)
         return None
-    return dispatch, expert_fwd, expert_bwd
+    return dispatch, expert_fwd, expert_bwd, tables
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -124,47 +295,131 @@ def _make_plan(ids: Tensor, num_experts: int, block_m: int) -> DispatchPlan:
     return reference.dispatch_reference(ids, num_experts, block_m=block_m)
 
 
+def default_chunk_tokens(K: int, d: int, h: int, gated: bool, itemsize: int,
+                         budget: int = DEFAULT_TRANSIENT_BUDGET) -> int:
+    """Tokens per chunk so that the backward's per-slot transients (dA|dB, w*H, dX per slot: ``K *
+    (preact + h + d)`` elements a token) stay within ``budget`` bytes; 0 (one chunk) for budget 0."""
+    if budget <= 0:
+        return 0
+    per_token = K * ((2 if gated else 1) * h + h + d) * itemsize
+    return max(256, budget // max(per_token, 1))
+
+
+def _chunks(T: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges of at most ``chunk_tokens`` (0: one range), as equal as possible."""
+    n = -(-T // chunk_tokens) if 0 < chunk_tokens < T else 1
+    step = -(-T // n) if T else 1
+    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)] or [(0, 0)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The paths: Triton kernels through pointer tables, or plain PyTorch over dense views
+# ---------------------------------------------------------------------------------------------
+def _tables(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
+    tables = _triton_kernels()[3]
+
+    def table(v):
+        if v is None:
+            return None
+        value = _role_value(params, v, E)
+        return tables.table_of_list(value) if isinstance(value, list) else tables.table_of(value)
+
+    return tables.ExpertTables(*(table(v) for v in views[:3]))
+
+
+def _biases(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> list[Tensor | None]:
+    # biases are small: one contiguous [E, n] copy each
+    return [None if v is None else _dense(_role_value(params, v, E), True).contiguous() for v in views[3:]]
+
+
+def _forward_chunk(x, ids, weights, params, views, E, act, save_preact):
+    plan = _make_plan(ids, E, plan_block_m(x.device))
+    if _use_triton(x):
+        kernels = _triton_kernels()
+        return kernels[1].expert_forward(x, weights, _tables(params, views, E), plan, act, save_preact,
+                                         *_biases(params, views, E))
+    experts = ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
+                             for r, v in zip(ROLES, views)])
+    y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, experts, act, save_preact, plan)
+    return y, preact
+
+
 @torch.library.custom_op("moeblaze::moe_ffn", mutates_args=())
 def _moe_ffn(
     x: Tensor,
     ids: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
-    activation: str = "swiglu",
-    checkpoint: str = "activations",
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_inputs(x, ids, weights, w_gate_up, w_down, activation, checkpoint)
+    params: list[Tensor],
+    layout: list[int],
+    activation: str,
+    checkpoint: str,
+    chunk_tokens: int,
+) -> tuple[Tensor, Tensor]:
+    h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
     _check_ids_range(ids)
-    E = w_gate_up.shape[0]
-    plan = _make_plan(ids, E, plan_block_m(x.device))
-    save_preact = checkpoint == "activations"
-    if _use_triton(x):
-        y, preact = _triton_kernels()[1].expert_forward(x, weights, w_gate_up, w_down, plan, activation, save_preact)
-    else:
-        y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, w_gate_up, w_down, activation, save_preact, plan)
-    return (y, preact, *plan)
+    E, views = decode_layout(layout)
+    T, K = ids.shape
+    save = checkpoint == "activations"
+    width = (2 if act.gated else 1) * h
+    chunks = _chunks(T, chunk_tokens)
+    if len(chunks) == 1:
+        return _forward_chunk(x, ids, weights, params, views, E, act, save)
+    y = x.new_empty(x.shape)
+    preact = x.new_empty((T * K, width) if save else (0,))
+    for t0, t1 in chunks:
+        y_c, pre_c = _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], params, views, E, act, save)
+        y[t0:t1] = y_c
+        if save:
+            preact[t0 * K: t1 * K] = pre_c
+    return y, preact
 
 
 @_moe_ffn.register_fake
-def _moe_ffn_fake(x, ids, weights, w_gate_up, w_down, activation="swiglu", checkpoint="activations"):
-    _check_inputs(x, ids, weights, w_gate_up, w_down, activation, checkpoint)
-    T, d = x.shape
-    K = ids.shape[1]
-    E, two_h, _ = w_gate_up.shape
-    n_pairs = T * K
-    n_tiles = reference.max_tiles(n_pairs, E, plan_block_m(x.device))
-    i32 = dict(dtype=torch.int32, device=x.device)
-    preact = x.new_empty((n_pairs, two_h) if checkpoint == "activations" else (0,))
-    return (
-        x.new_empty(T, d),
-        preact,
-        torch.empty(E + 1, **i32),
-        torch.empty(n_pairs, **i32),
-        torch.empty(n_pairs, **i32),
-        torch.empty(n_tiles, **i32),
-        torch.empty(n_tiles, **i32),
-    )
+def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens):
+    h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
+    width = (2 if act.gated else 1) * h
+    n_pairs = ids.shape[0] * ids.shape[1]
+    return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,))
+
+
+def _grad_buffers(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> list[Tensor]:
+    """Gradient storage in each parameter's own strides; zeroed where the roles leave elements uncovered."""
+    covered = [0] * len(params)
+    for v in views:
+        if v is not None:
+            for i in range(v.first, v.first + v.count):
+                covered[i] += v.rows * v.cols * (E if v.count == 1 else 1)
+    return [torch.zeros_like(p) if covered[i] < p.numel() else torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
+                                                                                    device=p.device)
+            for i, p in enumerate(params)]
+
+
+def _store_role(bufs: Sequence[Tensor], v: RoleView, E: int, grad: Tensor, accumulate: bool) -> None:
+    """Write (or add) a dense ``[E, rows, cols]`` (or ``[E, n]``) gradient into the role's place in ``bufs``."""
+    grad = grad.reshape(E, v.rows, v.cols)
+    dest = _role_value(bufs, v, E)
+    for e, piece in enumerate(dest) if isinstance(dest, list) else [(None, dest)]:
+        src = grad if e is None else grad[e]
+        piece.add_(src) if accumulate else piece.copy_(src)
+
+
+def _backward_chunk(grad_y, x, ids, weights, params, views, E, act, preact, bufs, accumulate, grad_tables):
+    plan = _make_plan(ids, E, plan_block_m(x.device))
+    if _use_triton(x):
+        dx, dweights, *dbias = _triton_kernels()[2].expert_backward(
+            grad_y, x, weights, _tables(params, views, E), preact, plan, act, *_biases(params, views, E),
+            grads=grad_tables, accumulate=accumulate)
+        for v, g in zip(views[3:], dbias):
+            if v is not None:
+                _store_role(bufs, v, E, g, accumulate)
+        return dx, dweights
+    experts = ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
+                             for r, v in zip(ROLES, views)])
+    dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act)
+    for v, g in zip(views, grads):
+        if v is not None:
+            _store_role(bufs, v, E, g, accumulate)
+    return dx, dweights
 
 
 @torch.library.custom_op("moeblaze::moe_ffn_backward", mutates_args=())
@@ -173,43 +428,70 @@ def _moe_ffn_backward(
     x: Tensor,
     ids: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    params: list[Tensor],
+    layout: list[int],
     preact: Tensor,
-    offsets: Tensor,
-    token_index: Tensor,
-    slot_of: Tensor,
-    tile_expert: Tensor,
-    tile_start: Tensor,
     activation: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    plan = DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
+    chunk_tokens: int,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    act = parse_activation(activation)
+    E, views = decode_layout(layout)
+    T, K = ids.shape
     grad_y = grad_y.contiguous()
-    if _use_triton(x):
-        return _triton_kernels()[2].expert_backward(grad_y, x, weights, w_gate_up, w_down, preact, plan, activation)
-    return reference.moe_ffn_backward_torch(grad_y, x, ids, weights, w_gate_up, w_down, preact, plan, activation)
+    bufs = _grad_buffers(params, views, E)
+    chunks = _chunks(T, chunk_tokens)
+    triton_path = _use_triton(x)
+    # Weight gradients over several chunks: accumulated in float32 when that costs less than one chunk's
+    # transients, else in place in the parameters' dtype (one rounding per chunk).
+    acc32 = None
+    if triton_path:
+        weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
+        h = views[0].rows
+        chunk_bytes = chunk_tokens * K * ((3 if act.gated else 2) * h + x.shape[1]) * x.element_size()
+        if len(chunks) > 1 and 4 * weight_numel <= chunk_bytes:
+            acc32 = [None if v is None else torch.zeros((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
+                     for v in views[:3]]
+        tables = _triton_kernels()[3]
+        grad_tables = tables.tables_of(ExpertParams(*acc32)) if acc32 is not None else _tables(bufs, views, E)
+    else:
+        grad_tables = None
+    dx = x.new_empty(x.shape) if len(chunks) > 1 else None
+    dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
+    for i, (t0, t1) in enumerate(chunks):
+        pre = preact if preact.numel() == 0 or len(chunks) == 1 else preact[t0 * K: t1 * K]
+        dx_c, dw_c = _backward_chunk(grad_y[t0:t1], x[t0:t1], ids[t0:t1], weights[t0:t1], params, views, E, act, pre,
+                                     bufs, i > 0, grad_tables)
+        if len(chunks) == 1:
+            dx, dweights = dx_c, dw_c
+        else:
+            dx[t0:t1] = dx_c
+            dweights[t0:t1] = dw_c
+    if acc32 is not None:
+        for v, g in zip(views[:3], acc32):
+            if v is not None:
+                _store_role(bufs, v, E, g, False)
+    return dx, dweights, bufs
 
 
 @_moe_ffn_backward.register_fake
-def _moe_ffn_backward_fake(grad_y, x, ids, weights, w_gate_up, w_down, preact, offsets, token_index, slot_of,
-                           tile_expert, tile_start, activation):
-    return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(w_gate_up), torch.empty_like(w_down))
+def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, activation, chunk_tokens):
+    return (torch.empty_like(x), torch.empty_like(weights),
+            [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device) for p in params])
 
 
 def _setup_context(ctx, inputs, output):
-    x, ids, weights, w_gate_up, w_down, activation, _checkpoint = inputs
-    _y, preact, *plan = output
-    ctx.activation = activation
-    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, preact, *plan)
-    ctx.mark_non_differentiable(*output[1:])
+    x, ids, weights, params, layout, activation, _checkpoint, chunk_tokens = inputs
+    _y, preact = output
+    ctx.layout, ctx.activation, ctx.chunk_tokens = layout, activation, chunk_tokens
+    ctx.save_for_backward(x, ids, weights, preact, *params)
+    ctx.mark_non_differentiable(preact)
 
 
-def _backward(ctx, grad_y, *_unused_grads):
-    x, ids, weights, w_gate_up, w_down, preact, *plan = ctx.saved_tensors
-    dx, dweights, dw_gate_up, dw_down = torch.ops.moeblaze.moe_ffn_backward(
-        grad_y, x, ids, weights, w_gate_up, w_down, preact, *plan, ctx.activation
-    )
-    return dx, None, dweights, dw_gate_up, dw_down, None, None
+def _backward(ctx, grad_y, _grad_preact):
+    x, ids, weights, preact, *params = ctx.saved_tensors
+    dx, dweights, dparams = torch.ops.moeblaze.moe_ffn_backward(
+        grad_y, x, ids, weights, params, ctx.layout, preact, ctx.activation, ctx.chunk_tokens)
+    return dx, None, dweights, list(dparams), None, None, None, None
 
 
 _moe_ffn.register_autograd(_backward, setup_context=_setup_context)
@@ -219,11 +501,11 @@ def moe_ffn(
     x: Tensor,
     ids: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    experts: ExpertParams | tuple[Tensor, Tensor],
     *,
     activation: str = "swiglu",
     checkpoint: str = "activations",
+    chunk_tokens: int | None = None,
 ) -> Tensor:
     """``y[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t])`` as one MoEBlaze operator.
 
@@ -231,10 +513,22 @@ def moe_ffn(
         x: ``[T, d]`` tokens.
         ids: ``[T, K]`` int32/int64 expert ids; an id ``>= E`` contributes nothing.
         weights: ``[T, K]`` combine weights (any float dtype; differentiable).
-        w_gate_up: ``[E, 2h, d]``, gate rows first then up rows (Hugging Face's layout).
-        w_down: ``[E, d, h]``.
-        activation: ``"swiglu"``.
-        checkpoint: ``"activations"`` (save the gate/up pre-activations) or ``"recompute"`` (save only
-            x and the index structures; recompute the up projection in backward).
+        experts: an :class:`~moeblaze_fx.kernels.reference.ExpertParams` of ``[E, ...]`` tensors or
+            views of parameters (transposed, sliced, interleaved: gradients reach the parameter
+            without copies), or Hugging Face's ``(w_gate_up [E, 2h, d], w_down [E, d, h])``.
+        activation: one of ``"swiglu"``, ``"geglu"``, ``"swiglu_oai(alpha=A,limit=L)"`` (gated: gate
+            and up), ``"silu"``, ``"gelu"``, ``"relu"`` (plain: ``experts.up`` is None).
+        checkpoint: ``"activations"`` (save the pre-activations) or ``"recompute"`` (save only x,
+            ids and weights; recompute the up projection in backward).
+        chunk_tokens: tokens per chunk (bounds the transient buffers); None picks
+            :func:`default_chunk_tokens`, 0 processes all tokens at once.
     """
-    return torch.ops.moeblaze.moe_ffn(x, ids, weights, w_gate_up, w_down, activation, checkpoint)[0]
+    if not isinstance(experts, ExpertParams):
+        w_gate_up, w_down = experts
+        experts = ExpertParams(*reference.split_gate_up(w_gate_up), w_down)
+    params, layout = layout_of(experts)
+    if chunk_tokens is None:
+        act = parse_activation(activation)
+        chunk_tokens = default_chunk_tokens(ids.shape[-1], x.shape[-1], experts.gate.shape[1], act.gated,
+                                            x.element_size())
+    return torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)[0]

@@ -56,7 +56,7 @@ from ..memory import saved_activation_bytes  # noqa: F401  (compare.py reads it 
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.reference import moe_ffn_reference
+from ..kernels.reference import ExpertParams, moe_ffn_reference, split_gate_up
 
 __all__ = [
     "LayerConfig",
@@ -164,7 +164,7 @@ def _moeblaze_layer(policy: str) -> Callable[..., tuple[Tensor, Tensor]]:
 
     def layer(x: Tensor, w_router: Tensor, w_gate_up: Tensor, w_down: Tensor, K: int) -> tuple[Tensor, Tensor]:
         ids, w = route(x, w_router, K)
-        return moe_ffn(x, ids, w, w_gate_up, w_down, activation="swiglu", checkpoint=policy), ids
+        return moe_ffn(x, ids, w, (w_gate_up, w_down), activation="swiglu", checkpoint=policy), ids
 
     return layer
 
@@ -397,7 +397,7 @@ def compute_reference(inputs: LayerInputs, ids: Tensor, chunk: int) -> Reference
         probs = F.softmax(F.linear(xc, wr32), dim=-1)
         w = probs.gather(1, ids[lo:hi])
         w = w / w.sum(dim=-1, keepdim=True)
-        y = moe_ffn_reference(xc, ids[lo:hi], w, wgu32, wd32, "swiglu")
+        y = moe_ffn_reference(xc, ids[lo:hi], w, ExpertParams(*split_gate_up(wgu32), wd32), "swiglu")
         torch.autograd.backward(y, grad_y[lo:hi].float())
         outs.append(y.detach().cpu())
         dxs.append(xc.grad.cpu())

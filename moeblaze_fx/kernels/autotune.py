@@ -13,9 +13,12 @@ Kinds, and what ``block_m/n/k`` mean for each:
 
 ``up``           up projection (forward) over the plan's row tiles: rows x (h columns, gate and up each) x d
 ``dh``           backward dH' (A|B read from the saved preact) over row tiles: rows x h x d
-``dh_recompute`` the same kernel recomputing A|B: three accumulators, so a narrower tile
-``down``         row-tile GEMM (forward down projection, backward dX): rows x d x (h or 2h)
+``dh_recompute`` the same kernel recomputing A|B: three accumulators (gated), so a narrower tile
+``down``         row-tile GEMM (forward down projection, backward dX = dA W_gate + dB W_up): rows x d x (h or 2 x h)
 ``dw``           per-expert weight gradient, contraction over the expert's slots: out rows x out cols x slots
+
+The keys of the tuned kernels include the activation (``ACT``) where it changes the kernel; a launch
+that accumulates into its output is never the one that tunes (see ``expert_bwd._weight_grad``).
 
 The row-tile kinds take ``BLOCK_M`` from the dispatch plan (:func:`plan_block_m`), never from a config:
 the plan's ``tile_expert``/``tile_start`` are built for one tile height.
@@ -34,6 +37,7 @@ __all__ = [
     "INTERPRETER_CONFIG",
     "DEFAULT_BLOCK_M",
     "interpreting",
+    "autotuning",
     "pinned_config",
     "plan_block_m",
     "kernel_configs",
@@ -117,6 +121,12 @@ def _fixed_config() -> KernelConfig | None:
     if cfg is None and interpreting():
         cfg = INTERPRETER_CONFIG
     return cfg
+
+
+def autotuning() -> bool:
+    """Whether :func:`launch` goes through ``triton.autotune`` (which runs each candidate several times, so a
+    launch that adds into its output must not be the one that tunes)."""
+    return _fixed_config() is None
 
 
 def plan_block_m() -> int:

@@ -1,28 +1,35 @@
 """Fused expert backward: never needs the expert outputs Y, never builds a gathered copy of x or dy.
 
-Inputs: dy = grad_y [T, d], x [T, d], routing weights w [T, K], w_gate_up [E, 2h, d], w_down [E, d, h],
-the plan, and preact = A|B [N, 2h] in slot order (saved by the forward, "activations" policy) or an
-empty tensor (``"recompute"`` policy: A|B are recomputed inside the first kernel, one extra up GEMM).
+Inputs: dy = grad_y [T, d], x [T, d], routing weights w [T, K], the weight tables (W_gate, W_up [h, d] per
+expert, W_up absent for a plain activation; W_down [d, h]), the optional biases, the plan, and preact =
+A|B [N, 2h] (or A [N, h], plain activation) in slot order, biases included (saved by the forward,
+"activations" policy) or an empty tensor (``"recompute"`` policy: A|B are recomputed inside the first
+kernel, one extra up GEMM). Weight gradients are written through the ``grads`` tables (x.dtype or
+float32; overwritten, or added to with ``accumulate=True``); bias gradients are returned in float32.
 
-Data flow (five launches + one small reduction)::
+Data flow (six launches + one small reduction, plus one small launch per bias)::
 
     _expert_dh_kernel   per row tile of one expert, one pass over d:
                           dH' = dy[tok] @ W_down[e]                (dy rows gathered on the fly)
-                          A|B = x[tok] @ W_gate_up[e].T            (RECOMPUTE only, same pass over d)
-                        epilogue, silu recomputed in registers:
-                          H = silu(A) * B
+                          A|B = x[tok] @ W_{gate|up}[e].T + b      (RECOMPUTE only, same pass over d)
+                        epilogue, the activation recomputed in registers (constexpr ACT):
+                          H = act(A, B)
                           dw partial = <dH', H> over this program's columns   (routing-weight gradient)
-                          dH = w * dH';  dA = dH * B * silu'(A);  dB = dH * silu(A)
-                        ──▶ dA|dB [N, 2h], w*H [N, h], partials [h/64, N] fp32   (all transient)
+                          dH = w * dH';  dA, dB = act'(A, B) dH
+                        ──▶ dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N] fp32 (transient)
+    _expert_bias_grad_kernel (down bias only), per expert and column block of d:
+                          d_down_bias[e] = sum_{s in e} w_s dy[tok_s];  <dy[tok_s], b_down[e]> partials by pair
     dweights = partials.sum(0)                                          (fixed order: deterministic)
     _expert_dw_kernel   dW_down[e]    = sum_{s in e} dy[tok_s].T (w*H)[s]  (dy gathered, slots = contraction)
-    _expert_down_kernel dX[s]         = dA|dB[s] @ W_gate_up[e]             (row tiles, as the forward)
-    _expert_dw_kernel   dW_gate_up[e] = sum_{s in e} dA|dB[s].T x[tok_s]    (x gathered)
+    _expert_down_kernel dX[s]         = dA[s] @ W_gate[e] + dB[s] @ W_up[e]  (row tiles; two K loops, one acc)
+    _expert_dw_kernel   dW_gate[e]    = sum_{s in e} dA[s].T x[tok_s]      (x gathered); dW_up likewise from dB
+    _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order)
 
 Each output element is written by exactly one program with a fixed reduction order, so there are no
 atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
-zero weight gradients. Transients (dA|dB, w*H, per-slot dX, partials) are freed on return.
+zero weight gradients (or an unchanged one when accumulating). Transients (dA|dB, w*H, per-slot dX,
+partials) are freed on return.
 """
 from __future__ import annotations
 
@@ -33,8 +40,20 @@ from torch import Tensor
 
 from . import autotune
 from .autotune import plan_block_m
-from .expert_fwd import _grouped_tile_ids, check_expert_inputs, combine, dot_precision, down_project
-from .reference import DispatchPlan
+from .expert_fwd import (
+    ACT_CODES,
+    _act_backward,
+    _check_table,
+    _grouped_tile_ids,
+    _table_ptr,
+    check_expert_inputs,
+    combine,
+    dot_precision,
+    down_project,
+    table_align,
+)
+from .reference import Activation, DispatchPlan
+from .tables import ExpertTables, WeightTable
 
 __all__ = ["expert_backward"]
 
@@ -45,18 +64,19 @@ _MAX_DH_BLOCK_N = 256
 
 @triton.jit
 def _dh_epilogue(
-    acc_dh, acc_a, acc_b,  # [BLOCK_M, BLOCK_N] fp32: dH', and A, B when RECOMPUTE
-    col0, start, end, pair, wt, h,
-    preact_ptr,  # [N, 2h] x.dtype, read unless RECOMPUTE
-    dpre_ptr,  # [N, 2h] x.dtype, out
+    acc_dh, acc_a, acc_b,  # [BLOCK_M, BLOCK_N] fp32: dH', and A, B (biases added) when RECOMPUTE
+    col0, start, end, pair, wt, h, alpha, limit,
+    preact_ptr,  # [N, 2h] or [N, h] x.dtype, read unless RECOMPUTE
+    dpre_ptr,  # [N, 2h] or [N, h] x.dtype, out
     hw_ptr,  # [N, h] x.dtype, out
     part_ptr,  # [num_chunks, N] fp32, out
     stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
+    ACT: tl.constexpr, GATED: tl.constexpr,
     RECOMPUTE: tl.constexpr, CHUNK_N: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """SwiGLU backward for hidden columns [col0, col0 + BLOCK_N) of rows [start, end) (at most BLOCK_M), silu
-    recomputed here. Addresses are a scalar 64-bit base per tile plus int32 offsets inside it: per-element
-    64-bit pointers cost two registers each and made this epilogue spill."""
+    """Activation backward for hidden columns [col0, col0 + BLOCK_N) of rows [start, end) (at most BLOCK_M),
+    the activation recomputed here. Addresses are a scalar 64-bit base per tile plus int32 offsets inside it:
+    per-element 64-bit pointers cost two registers each and made this epilogue spill."""
     io_ty = dpre_ptr.dtype.element_ty
     BLOCK_M: tl.constexpr = wt.shape[0]
     local = tl.arange(0, BLOCK_M)
@@ -66,7 +86,10 @@ def _dh_epilogue(
     offs_n = col0 + tl.arange(0, BLOCK_N)
     if RECOMPUTE:  # round as the forward did, so both policies see the same A|B
         a = acc_a.to(io_ty).to(tl.float32)
-        b = acc_b.to(io_ty).to(tl.float32)
+        if GATED:
+            b = acc_b.to(io_ty).to(tl.float32)
+        else:
+            b = a  # unused
     else:
         if EVEN_N:
             offs_n_ld = offs_n
@@ -75,18 +98,17 @@ def _dh_epilogue(
         pre_base = preact_ptr + start64 * stride_pre_s
         pre_offs = local_ld[:, None] * stride_pre_s + offs_n_ld[None, :] * stride_pre_n  # int32 inside the tile
         a = tl.load(pre_base + pre_offs).to(tl.float32)
-        b = tl.load(pre_base + h * stride_pre_n + pre_offs).to(tl.float32)
-    sig = tl.sigmoid(a)
-    silu = a * sig
-    hid = silu * b
+        if GATED:
+            b = tl.load(pre_base + h * stride_pre_n + pre_offs).to(tl.float32)
+        else:
+            b = a  # unused
+    d_hid = acc_dh * wt[:, None]
+    hid, d_a, d_b = _act_backward(a, b, d_hid, alpha, limit, ACT)
     # <dH', H> over these columns; wrapped columns (offs_n >= h) must not count.
     prod = acc_dh * hid
     if not EVEN_N:
         prod = tl.where((offs_n < h)[None, :], prod, 0.0)
     part = tl.sum(prod, axis=1)  # [BLOCK_M]
-    d_hid = acc_dh * wt[:, None]
-    d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
-    d_b = d_hid * silu
 
     if EVEN_N:
         mask = row_mask[:, None]
@@ -95,7 +117,8 @@ def _dh_epilogue(
     dpre_base = dpre_ptr + start64 * stride_dpre_s
     dpre_offs = local[:, None] * stride_dpre_s + offs_n[None, :] * stride_dpre_n
     tl.store(dpre_base + dpre_offs, d_a.to(io_ty), mask=mask)
-    tl.store(dpre_base + h * stride_dpre_n + dpre_offs, d_b.to(io_ty), mask=mask)
+    if GATED:
+        tl.store(dpre_base + h * stride_dpre_n + dpre_offs, d_b.to(io_ty), mask=mask)
     tl.store(hw_ptr + start64 * stride_hw_s + (local[:, None] * stride_hw_s + offs_n[None, :] * stride_hw_n),
              (hid * wt[:, None]).to(io_ty), mask=mask)
     # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
@@ -114,11 +137,14 @@ def _dh_epilogue(
 def _expert_dh_kernel(
     grad_y_ptr,  # [T, d] x.dtype: dL/dy, rows read through token_index
     x_ptr,  # [T, d] x.dtype: read when RECOMPUTE
-    w_gu_ptr,  # [E, 2h, d] x.dtype: read when RECOMPUTE
-    w_down_ptr,  # [E, d, h] x.dtype
+    gate_table_ptr,  # [E] int64: W_gate[e] [h, d] via (stride_wg_n, stride_wg_d), read when RECOMPUTE
+    up_table_ptr,  # [E] int64: W_up[e] [h, d] via (stride_wu_n, stride_wu_d), read when RECOMPUTE and GATED
+    down_table_ptr,  # [E] int64: W_down[e] [d, h] via (stride_wd_d, stride_wd_n)
+    gate_bias_ptr,  # [E, h] x.dtype contiguous, read when RECOMPUTE and HAS_GATE_BIAS
+    up_bias_ptr,  # [E, h] x.dtype contiguous, read when RECOMPUTE and HAS_UP_BIAS
     weights_ptr,  # [T, K] any float dtype: routing weights
-    preact_ptr,  # [N, 2h] x.dtype: saved A|B in slot order, read unless RECOMPUTE
-    dpre_ptr,  # [N, 2h] x.dtype, out: dA|dB in slot order
+    preact_ptr,  # [N, 2h] or [N, h] x.dtype: saved A|B in slot order, read unless RECOMPUTE
+    dpre_ptr,  # [N, 2h] or [N, h] x.dtype, out: dA|dB in slot order
     hw_ptr,  # [N, h] x.dtype, out: w * H in slot order
     part_ptr,  # [num_chunks, N] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by pair
     token_index_ptr,  # [N] int32
@@ -128,13 +154,18 @@ def _expert_dh_kernel(
     num_tiles, d, h, K,
     stride_g_t, stride_g_d,
     stride_x_t, stride_x_d,
-    stride_wgu_e, stride_wgu_n, stride_wgu_d,
-    stride_wd_e, stride_wd_d, stride_wd_n,
+    stride_wg_n, stride_wg_d,
+    stride_wu_n, stride_wu_d,
+    stride_wd_d, stride_wd_n,
     stride_wt_t, stride_wt_k,
     stride_pre_s, stride_pre_n,
     stride_dpre_s, stride_dpre_n,
     stride_hw_s, stride_hw_n,
     stride_part_c,
+    alpha, limit,  # fp32: swiglu_oai's parameters (unused otherwise)
+    ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
+    W_ALIGN: tl.constexpr,
     RECOMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     CHUNK_N: tl.constexpr,
@@ -156,7 +187,7 @@ def _expert_dh_kernel(
     rows_ld = tl.minimum(rows, end - 1)
     pair = tl.load(token_index_ptr + rows_ld)
     tok = (pair // K).to(tl.int64)
-    e64 = e.to(tl.int64)
+    w_ty = grad_y_ptr.dtype.element_ty
 
     col0 = pid_n * (SPLIT_N * BLOCK_N)
     offs_n0 = col0 + tl.arange(0, BLOCK_N)
@@ -166,13 +197,16 @@ def _expert_dh_kernel(
         offs_n1 = offs_n1 % h
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = grad_y_ptr + tok[:, None] * stride_g_t + offs_k[None, :] * stride_g_d  # [BLOCK_M, BLOCK_K]
-    wd_e = w_down_ptr + e64 * stride_wd_e
+    wd_e = _table_ptr(down_table_ptr, e, w_ty, W_ALIGN)
     wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
     wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
-    x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
-    wg_ptrs = (w_gu_ptr + e64 * stride_wgu_e
-               + offs_n0[None, :].to(tl.int64) * stride_wgu_n + offs_k[:, None] * stride_wgu_d)  # [BLOCK_K, BLOCK_N]
-    wu_ptrs = wg_ptrs + h * stride_wgu_n
+    if RECOMPUTE:
+        x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
+        wg_ptrs = (_table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
+                   + offs_n0[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
+        if GATED:
+            wu_ptrs = (_table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+                       + offs_n0[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d)
     wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k).to(tl.float32)
 
     acc_dh0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -201,26 +235,35 @@ def _expert_dh_kernel(
             if EVEN_K:
                 xa = tl.load(x_ptrs)
                 wg = tl.load(wg_ptrs)
-                wu = tl.load(wu_ptrs)
+                if GATED:
+                    wu = tl.load(wu_ptrs)
             else:
                 xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
                 wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-                wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+                if GATED:
+                    wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
             acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
-            acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_x_d
-            wg_ptrs += BLOCK_K * stride_wgu_d
-            wu_ptrs += BLOCK_K * stride_wgu_d
+            wg_ptrs += BLOCK_K * stride_wg_d
+            if GATED:
+                wu_ptrs += BLOCK_K * stride_wu_d
 
-    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, end, pair, wt, h,
+    if RECOMPUTE:  # the biases enter A|B before rounding, as in the forward
+        if HAS_GATE_BIAS:
+            acc_a += tl.load(gate_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
+        if HAS_UP_BIAS:
+            acc_b += tl.load(up_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
+    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, end, pair, wt, h, alpha, limit,
                  preact_ptr, dpre_ptr, hw_ptr, part_ptr,
                  stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
-                 RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
+                 ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
     if SPLIT_N == 2:
-        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, end, pair, wt, h,
+        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, end, pair, wt, h, alpha, limit,
                      preact_ptr, dpre_ptr, hw_ptr, part_ptr,
                      stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
-                     RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
+                     ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
 
 
 @triton.heuristics({
@@ -229,23 +272,26 @@ def _expert_dh_kernel(
 })
 @triton.jit
 def _expert_dw_kernel(
-    a_ptr,  # GATHER_A: [T, m_dim] read at row token(s) (dy); else [N, m_dim] slot order (dA|dB)
+    a_ptr,  # GATHER_A: [T, m_dim] read at row token(s) (dy); else [N, m_dim] slot order (dA or dB)
     b_ptr,  # GATHER_B: [T, n_dim] read at row token(s) (x);  else [N, n_dim] slot order (w*H)
-    out_ptr,  # [E, m_dim, n_dim] any strides, out: dW[e] = sum_{s in e} a[row(s)].T b[row(s)]
+    out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), x.dtype or fp32 (OUT_FP32)
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
     m_dim, n_dim, K,
     stride_a_r, stride_a_m,
     stride_b_r, stride_b_n,
-    stride_o_e, stride_o_m, stride_o_n,
+    stride_o_m, stride_o_n,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+    OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     the contraction running over that expert's slots BLOCK_K at a time (full chunks unmasked, then one
-    masked tail). Experts with no slots write zeros."""
+    masked tail). dW[e] = contribution (experts with no slots: zeros), or dW[e] + contribution when
+    ACCUMULATE (loaded in its dtype, the contribution summed onto it in fp32; experts with no slots left
+    untouched)."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
@@ -253,6 +299,9 @@ def _expert_dw_kernel(
     pid_m, pid_n = _grouped_tile_ids(pid % (num_m * num_n), num_m, num_n, GROUP_M)
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
+    if ACCUMULATE:
+        if hi <= lo:
+            return
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -265,7 +314,21 @@ def _expert_dw_kernel(
     else:
         offs_n_ld = offs_n % n_dim
     offs_s = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EVEN_M and EVEN_N:
+        out_mask = None
+    else:
+        out_mask = (offs_m < m_dim)[:, None] & (offs_n < n_dim)[None, :]
+    if OUT_FP32:
+        out_e = _table_ptr(out_table_ptr, e, tl.float32, O_ALIGN)
+    else:
+        out_e = _table_ptr(out_table_ptr, e, a_ptr.dtype.element_ty, O_ALIGN)
+    out_ptrs = out_e + offs_m[:, None].to(tl.int64) * stride_o_m + offs_n[None, :].to(tl.int64) * stride_o_n
+    if ACCUMULATE:
+        # The accumulator starts from C (fp32): loaded here, while no accumulator is live yet; loading it
+        # after the loop needs a second 128x256 fp32 tile in registers and spilled (sm_90 SASS).
+        acc = tl.load(out_ptrs, mask=out_mask).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     # Token rows of the gathered operand are loaded one chunk ahead (a loop-carried register prefetch):
     # the tile loads then depend on a loop-carried value, not on a load of the same iteration, so the
@@ -310,97 +373,237 @@ def _expert_dw_kernel(
         b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-    if EVEN_M and EVEN_N:
-        out_mask = None
+    tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
+
+
+@triton.heuristics({"EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0})
+@triton.jit
+def _expert_bias_grad_kernel(
+    src_ptr,  # GATHER: [T, n_dim] read at token rows (dy); else [N, n_dim] slot order (dA or dB columns)
+    weights_ptr,  # [T, K] any float dtype: scales each row when SCALE
+    bias_ptr,  # [E, n_dim] contiguous: when DOT, <row, bias[e]> of each slot goes to part
+    out_ptr,  # [E, n_dim] fp32 contiguous, out: sum over e's slots of (w *) row
+    part_ptr,  # [cdiv(n_dim, BLOCK_N), N] fp32, out when DOT: by pair, one row per column block
+    token_index_ptr,  # [N] int32
+    offsets_ptr,  # [E+1] int32
+    n_dim, K,
+    stride_src_r, stride_src_n,
+    stride_wt_t, stride_wt_k,
+    stride_part_c,
+    GATHER: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """grid = (E, cdiv(n_dim, BLOCK_N)): a segment sum over one expert's slots, BLOCK_S rows at a time into a
+    [BLOCK_S, BLOCK_N] fp32 accumulator reduced once at the end (fixed order: deterministic, no atomics).
+    Experts with no slots write zeros."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_dim
+    if EVEN_N:
+        offs_n_ld = offs_n
     else:
-        out_mask = (offs_m < m_dim)[:, None] & (offs_n < n_dim)[None, :]
-    out_ptrs = (out_ptr + e.to(tl.int64) * stride_o_e
-                + offs_m[:, None].to(tl.int64) * stride_o_m + offs_n[None, :].to(tl.int64) * stride_o_n)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        offs_n_ld = offs_n % n_dim
+    if DOT:
+        bias = tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)
+        if not EVEN_N:
+            bias = tl.where(n_mask, bias, 0.0)
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for s0 in range(lo, hi, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < hi
+        if GATHER or SCALE or DOT:
+            pair = tl.load(token_index_ptr + s, mask=s_mask, other=0)
+        if GATHER:
+            r = (pair // K).to(tl.int64)
+        else:
+            r = s.to(tl.int64)
+        v = tl.load(src_ptr + r[:, None] * stride_src_r + offs_n_ld[None, :] * stride_src_n,
+                    mask=s_mask[:, None], other=0.0).to(tl.float32)
+        if DOT:
+            tl.store(part_ptr + pid_n * stride_part_c + pair.to(tl.int64), tl.sum(v * bias[None, :], axis=1),
+                     mask=s_mask)
+        if SCALE:
+            wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k,
+                         mask=s_mask, other=0.0).to(tl.float32)
+            v = v * wt[:, None]
+        acc += v
+    tl.store(out_ptr + e.to(tl.int64) * n_dim + offs_n, tl.sum(acc, axis=0), mask=n_mask)
 
 
-_expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h"])
-_expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h"])
+_expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
+_expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
 _expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A"])
+# Keys (m_dim, n_dim, gather_a, operand dtypes, out dtype) whose autotuning has been done by a
+# non-accumulating launch: see _weight_grad.
+_DW_TUNED_KEYS: set[tuple] = set()
 
 
-def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: Tensor, plan: DispatchPlan, K: int) -> Tensor:
-    """out[e] = sum over e's slots of a[row].T @ b[row]; rows are tokens (gathered) or slots."""
-    E, m_dim, n_dim = out.shape
-    if out.numel() == 0:
-        return out
+def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,
+                 accumulate: bool) -> None:
+    """dW[e] (+)= sum over e's slots of a[row].T @ b[row], written through the table ``out``; rows are tokens
+    (gathered) or slots."""
+    E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
+    if E == 0 or m_dim == 0 or n_dim == 0:
+        return
+    out_fp32 = out.dtype == torch.float32 and a.dtype != torch.float32
 
     def grid(meta):
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
-    autotune.launch(
-        _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
-        a, b, out, plan.token_index, plan.offsets, m_dim, n_dim, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=not gather_a, DOT_PRECISION=dot_precision(a.dtype),
+    def go(table: WeightTable, acc: bool) -> None:
+        autotune.launch(
+            _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
+            a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
+            GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc,
+            O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
+        )
+
+    key = (m_dim, n_dim, gather_a, a.dtype, b.dtype, out.dtype)
+    if accumulate and autotune.autotuning() and key not in _DW_TUNED_KEYS:
+        # The autotuner runs a kernel many times while timing it: an accumulating launch would add its
+        # contribution once per run. Tune on a scratch output first (every expert writes the same
+        # [m, n] buffer with the real table's strides: garbage, never read); ACCUMULATE is not part of the
+        # tuning key, so the real launch below reuses the chosen configuration without timing.
+        scratch = torch.empty(((m_dim - 1) * out.stride_r + (n_dim - 1) * out.stride_c + 1,), dtype=out.dtype,
+                              device=a.device)
+        ptrs = torch.full((E,), scratch.data_ptr(), dtype=torch.int64, device=a.device)
+        go(out._replace(ptrs=ptrs), False)
+        del scratch
+    _DW_TUNED_KEYS.add(key)
+    go(out, accumulate)
+
+
+def _bias_grad(src: Tensor, gather: bool, weights: Tensor | None, plan: DispatchPlan, K: int, E: int,
+               dot_bias: Tensor | None = None, part: Tensor | None = None) -> Tensor:
+    """fp32 [E, n]: per expert, the sum over its slots of (w *) src[row]; with ``dot_bias``, also
+    <src[row], dot_bias[e]> per pair into ``part`` (one row per column block)."""
+    n_dim = src.shape[1]
+    out = torch.empty((E, n_dim), dtype=torch.float32, device=src.device)
+    if E == 0 or n_dim == 0:
+        return out
+    block_n = _bias_grad_block_n(n_dim)
+    w = weights if weights is not None else src  # placeholder pointer, never read
+    sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    grid = (E, triton.cdiv(n_dim, block_n))
+    _expert_bias_grad_kernel[grid](
+        src, w, dot_bias if dot_bias is not None else src, out, part if part is not None else out,
+        plan.token_index, plan.offsets, n_dim, K,
+        src.stride(0), src.stride(1), *sw, part.stride(0) if part is not None else 0,
+        GATHER=gather, SCALE=weights is not None, DOT=dot_bias is not None,
+        BLOCK_S=16 if autotune.interpreting() else 32, BLOCK_N=block_n, num_warps=4,
     )
     return out
 
 
-def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                    preact: Tensor, plan: DispatchPlan, activation: str = "swiglu"
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, dw_gate_up like w_gate_up, dw_down like w_down).
+def _bias_grad_block_n(n_dim: int) -> int:
+    return min(32 if autotune.interpreting() else 128, triton.next_power_of_2(max(n_dim, 1)))
 
+
+def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor) -> None:
+    """The gradient tables mirror the weight tables: same roles, shapes and E; dtype x.dtype or float32."""
+    if not isinstance(grads, ExpertTables):
+        raise TypeError(f"grads must be an ExpertTables (see kernels.tables), got {type(grads).__name__}")
+    if (grads.up is None) != (w.up is None):
+        raise ValueError("grads.up must be given exactly when w.up is (a gated activation)")
+    E = w.gate.ptrs.numel()
+    dtypes = tuple(dict.fromkeys((x.dtype, torch.float32)))
+    for name in ("gate", "up", "down"):
+        g, t = getattr(grads, name), getattr(w, name)
+        if g is not None:
+            _check_table(f"grads.{name}", g, t.rows, t.cols, E, x, dtypes)
+
+
+def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables, preact: Tensor,
+                    plan: DispatchPlan, activation: "Activation | str",
+                    gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+                    *, grads: ExpertTables, accumulate: bool = False,
+                    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, d_gate_bias, d_up_bias, d_down_bias).
+
+    Weight gradients go through ``grads`` (tables of the same shapes as ``w``, x.dtype or float32):
+    overwritten, or added to when ``accumulate`` (experts with no slots: zeros, or left as they are). Bias
+    gradients are float32 ``[E, h]``, ``[E, h]``, ``[E, d]``, None where the bias is None.
     ``preact.numel() == 0`` means recompute A|B (the "recompute" policy); otherwise it is the forward's
-    [T*K, 2h] slot-order A|B. Weight gradients keep the weights' strides (``empty_like``)."""
-    T, d, K, E, h = check_expert_inputs(x, weights, w_gate_up, w_down, plan, activation)
+    slot-order ``[T*K, 2h]`` (``[T*K, h]`` for a plain activation)."""
+    T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
+    check_grad_tables(grads, w, x)
     N = T * K
+    width = 2 * h if act.gated else h
     if tuple(grad_y.shape) != (T, d):
         raise ValueError(f"grad_y must be [T, d] = {(T, d)}, got shape {tuple(grad_y.shape)}")
     if grad_y.device != x.device:
         raise ValueError(f"grad_y is on {grad_y.device}, x on {x.device}")
     grad_y = grad_y.to(x.dtype)
     recompute = preact.numel() == 0
-    if not recompute and (tuple(preact.shape) != (N, 2 * h) or preact.dtype != x.dtype):
-        raise ValueError(f"preact must be empty (recompute) or [T*K, 2h] = {(N, 2 * h)} of {x.dtype}, "
-                         f"got {tuple(preact.shape)} of {preact.dtype}")
+    if not recompute and (tuple(preact.shape) != (N, width) or preact.dtype != x.dtype):
+        raise ValueError(f"preact must be empty (recompute) or [T*K, {'2h' if act.gated else 'h'}] = {(N, width)} "
+                         f"of {x.dtype}, got {tuple(preact.shape)} of {preact.dtype}")
 
-    dx = x.new_empty((T, d))
-    dw_gate_up = torch.empty_like(w_gate_up)
-    dw_down = torch.empty_like(w_down)
-    if N == 0 or h == 0 or d == 0:
-        return dx.zero_(), torch.zeros_like(weights), dw_gate_up.zero_(), dw_down.zero_()
-
+    dx = x.new_zeros((T, d)) if N == 0 or h == 0 or d == 0 else x.new_empty((T, d))
     num_tiles = plan.tile_expert.numel()
     chunk = autotune.dweights_chunk()
     num_chunks = triton.cdiv(h, chunk)
-    part = torch.zeros((num_chunks + _MAX_DH_BLOCK_N // chunk, N), dtype=torch.float32, device=x.device)
-    dpre = x.new_empty((N, 2 * h))
+    # Rows of the routing-weight partials: first the <dy, b_down> ones (one per column block of d), then the
+    # <dH', H> chunks, then spare chunks a program's columns may run into.
+    bias_rows = triton.cdiv(d, _bias_grad_block_n(d)) if down_bias is not None and d > 0 else 0
+    part = torch.zeros((bias_rows + num_chunks + _MAX_DH_BLOCK_N // chunk, N), dtype=torch.float32, device=x.device)
+    dpre = x.new_empty((N, width))
     hw = x.new_empty((N, h))
-    pre = dpre if recompute else preact  # placeholder pointer when recomputing, never read
+    up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
 
-    def grid(meta):
-        width = meta["BLOCK_N"] * meta["SPLIT_N"]
-        assert width <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
-        return (num_tiles * triton.cdiv(h, width),)
+    if N > 0 and h > 0 and d > 0:
+        pre = dpre if recompute else preact  # placeholder pointer when recomputing, never read
 
-    autotune.launch(
-        _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
-        "dh_recompute" if recompute else "dh", grid,
-        grad_y, x, w_gate_up, w_down, weights, pre, dpre, hw, part,
-        plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start,
-        num_tiles, d, h, K,
-        grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
-        w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2),
-        w_down.stride(0), w_down.stride(1), w_down.stride(2),
-        weights.stride(0), weights.stride(1),
-        pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
-        part.stride(0),
-        RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-    )
-    dweights = part[:num_chunks].sum(0).view(T, K).to(weights.dtype)
+        def grid(meta):
+            width_n = meta["BLOCK_N"] * meta["SPLIT_N"]
+            assert width_n <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
+            return (num_tiles * triton.cdiv(h, width_n),)
+
+        autotune.launch(
+            _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
+            "dh_recompute" if recompute else "dh", grid,
+            grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
+            gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+            weights, pre, dpre, hw, part[bias_rows:],
+            plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start,
+            num_tiles, d, h, K,
+            grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
+            w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
+            weights.stride(0), weights.stride(1),
+            pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
+            part.stride(0),
+            float(act.alpha), float(act.limit),
+            ACT=ACT_CODES[act.name], GATED=act.gated,
+            HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+            W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
+            RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+        )
+    d_down_bias = None
+    if down_bias is not None:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> into part
+        d_down_bias = _bias_grad(grad_y, True, weights, plan, K, E, dot_bias=down_bias, part=part)
+    dweights = part[:bias_rows + num_chunks].sum(0).view(T, K).to(weights.dtype)
     del part
-    _weight_grad(grad_y, hw, True, dw_down, plan, K)  # [E, d, h]
+    skip = accumulate and N == 0  # nothing to add
+    if not skip:
+        _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate)  # [E, d, h]
     del hw
-    dx_slots = x.new_empty((N, d))
-    down_project(dpre, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2)), d, plan, dx_slots)
-    _weight_grad(dpre, x, False, dw_gate_up, plan, K)  # [E, 2h, d]
+    if N > 0 and h > 0 and d > 0:
+        dx_slots = x.new_empty((N, d))
+        # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
+        down_project(dpre, h, (w.gate.ptrs, w.gate.stride_r, w.gate.stride_c),
+                     (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
+                     table_align(w.gate, w.up), d, plan, dx_slots)
+    if not skip:
+        _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate)  # [E, h, d]
+        if act.gated:
+            _weight_grad(dpre[:, h:], x, False, grads.up, plan, K, accumulate)  # [E, h, d]
+    d_gate_bias = _bias_grad(dpre[:, :h], False, None, plan, K, E) if gate_bias is not None else None
+    d_up_bias = _bias_grad(dpre[:, h:], False, None, plan, K, E) if up_bias is not None else None
     del dpre
-    combine(dx_slots, None, plan.slot_of, T, K, dx)
-    return dx, dweights, dw_gate_up, dw_down
+    if N > 0 and h > 0 and d > 0:
+        combine(dx_slots, None, plan.slot_of, T, K, dx)
+    return dx, dweights, d_gate_bias, d_up_bias, d_down_bias

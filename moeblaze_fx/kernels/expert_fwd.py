@@ -4,27 +4,39 @@ Notation: T tokens, K choices per token, N = T*K pairs, E experts, d model width
 A *pair* p = t*K + k is one entry of ``ids``; a *slot* is its row in the expert-major order of the
 :class:`~moeblaze_fx.kernels.reference.DispatchPlan` (``token_index[slot] = p``, ``slot_of[p] = slot``).
 
+Expert weights are read only through per-expert pointer tables (:class:`~moeblaze_fx.kernels.tables.WeightTable`):
+each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
+``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
+read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai) have a gate
+and an up projection, plain ones (silu, gelu, relu) only the gate projection.
+
 Data flow (three launches)::
 
     x [T, d] ──(token_index: slot -> pair p -> token p // K, read while loading tiles)──┐
-    w_gate_up [E, 2h, d] ──────────────────────────────────────────────────────────────┤
-        _expert_up_kernel      per row tile of one expert: A = x_rows @ Wg.T, B = x_rows @ Wu.T in one
-                               pass over d; epilogue writes A|B (when saving) and H = silu(A) * B
-        ──▶ preact [N, 2h] (saved, "activations" policy)   H [N, h] (transient)
-    w_down [E, d, h] ─────────────────────────────────────────────────────────────────┐
-        _expert_down_kernel    per row tile: Y = H @ W_down[e].T      ──▶ Y [N, d] (transient, slot order)
+    W_gate[e], W_up[e] [h, d] (tables), gate/up biases [E, h] (optional) ──────────────┤
+        _expert_up_kernel      per row tile of one expert: A = x_rows @ Wg.T + bg, B = x_rows @ Wu.T + bu in
+                               one pass over d (B only for gated activations); epilogue rounds A|B, writes
+                               them (when saving) and H = act(A, B)
+        ──▶ preact [N, 2h] or [N, h] (saved, "activations" policy)   H [N, h] (transient)
+    W_down[e] [d, h] (table), down bias [E, d] (optional) ───────────────────────────┐
+        _expert_down_kernel    per row tile: Y = H @ W_down[e].T + bd   ──▶ Y [N, d] (transient, slot order)
         _expert_combine_kernel out[t] = sum_k w[t, k] * Y[slot_of[t*K + k]], fp32 accumulation in a fixed
                                k order, unrouted pairs (slot -1) skipped   ──▶ y [T, d]
 
 No gathered [N, d] copy of x is ever built; the transients H and Y are freed when the launcher
 returns. Saved for backward (by the caller): x, the plan, the routing weights and, under the
-"activations" policy, preact (2*T*K*h elements). Nothing is reduced with atomics, so two runs with
+"activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs with
 the same configuration are bitwise identical.
 
 Row tiles come from the plan: ``tile_expert[i]`` / ``tile_start[i]`` describe ``plan_block_m()`` rows
 of one expert; a tile may be ragged (masked against ``offsets[e+1]``), tiles past the last one hold
 -1 and their programs exit at once, so grids are sized by the static bound ``max_tiles`` and no host
 synchronisation is needed.
+
+Alignment: an address loaded from a table carries no alignment the compiler can see, and without one
+every weight load becomes a 2-byte access (no cp.async, no 16-byte vectors). The host passes the
+tables' proven alignment as a constexpr (``W_ALIGN``, from ``WeightTable.align`` when the table has that
+field; 1 otherwise) and the kernels assert it with ``tl.multiple_of``.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
@@ -39,11 +51,21 @@ from torch import Tensor
 
 from . import autotune
 from .autotune import plan_block_m
-from .reference import GATED_ACTIVATIONS, DispatchPlan, max_tiles
+from .reference import Activation, DispatchPlan, max_tiles, parse_activation
+from .tables import ExpertTables, WeightTable
 
-__all__ = ["expert_forward", "plan_block_m", "check_expert_inputs"]
+__all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align", "ACT_CODES"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# The ACT constexpr of the kernels. Gated activations have codes < _FIRST_PLAIN.
+ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5}
+_SWIGLU = tl.constexpr(0)
+_GEGLU = tl.constexpr(1)
+_SWIGLU_OAI = tl.constexpr(2)
+_SILU = tl.constexpr(3)
+_GELU = tl.constexpr(4)
+_RELU = tl.constexpr(5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +84,90 @@ def _grouped_tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _table_ptr(table_ptr, e, elem_ty: tl.constexpr, ALIGN: tl.constexpr):
+    """Expert e's matrix from a pointer table: one int64 load, cast to a pointer to ``elem_ty``.
+    ``ALIGN`` (bytes, proven by the host) restores the alignment the compiler cannot see through the cast."""
+    ptr = tl.load(table_ptr + e).to(tl.pointer_type(elem_ty))
+    if ALIGN > 1:  # on the pointer: a hint on the integer does not survive the cast (checked in the sm_90 SASS)
+        ptr = tl.multiple_of(ptr, ALIGN)
+    return ptr
+
+
+@triton.jit
+def _gelu(v):
+    """erf GELU (torch's default ``F.gelu``), fp32."""
+    return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_grad(v):
+    cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    return cdf + v * tl.exp(-0.5 * v * v) * 0.3989422804014327
+
+
+@triton.jit
+def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
+    """H from the fp32 pre-activations: gate ``a`` and (gated activations) up ``b``."""
+    if ACT == _SWIGLU:
+        hid = a * tl.sigmoid(a) * b
+    elif ACT == _GEGLU:
+        hid = _gelu(a) * b
+    elif ACT == _SWIGLU_OAI:
+        g = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(b, -limit), limit)
+        hid = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    elif ACT == _SILU:
+        hid = a * tl.sigmoid(a)
+    elif ACT == _GELU:
+        hid = _gelu(a)
+    else:
+        tl.static_assert(ACT == _RELU)
+        hid = tl.maximum(a, 0.0)
+    return hid
+
+
+@triton.jit
+def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
+    """(H, dL/da, dL/db) from the fp32 pre-activations and dL/dH, recomputing what the forward computed.
+    Clamps pass the gradient inside the closed interval (as ``torch.clamp``). dL/db is ``d_a`` again for
+    plain activations (never used)."""
+    if ACT == _SWIGLU:
+        sig = tl.sigmoid(a)
+        silu = a * sig
+        hid = silu * b
+        d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
+        d_b = d_hid * silu
+    elif ACT == _GEGLU:
+        gelu = _gelu(a)
+        hid = gelu * b
+        d_a = d_hid * b * _gelu_grad(a)
+        d_b = d_hid * gelu
+    elif ACT == _SWIGLU_OAI:
+        g = tl.minimum(a, limit)
+        sig = tl.sigmoid(alpha * g)
+        glu = g * sig
+        u1 = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+        hid = u1 * glu
+        d_a = tl.where(a <= limit, d_hid, 0.0) * u1 * (sig + alpha * glu * (1.0 - sig))
+        d_b = tl.where(tl.abs(b) <= limit, d_hid, 0.0) * glu
+    elif ACT == _SILU:
+        sig = tl.sigmoid(a)
+        hid = a * sig
+        d_a = d_hid * (sig * (1.0 + a * (1.0 - sig)))
+        d_b = d_a
+    elif ACT == _GELU:
+        hid = _gelu(a)
+        d_a = d_hid * _gelu_grad(a)
+        d_b = d_a
+    else:
+        tl.static_assert(ACT == _RELU)
+        hid = tl.maximum(a, 0.0)
+        d_a = tl.where(a > 0.0, d_hid, 0.0)
+        d_b = d_a
+    return hid, d_a, d_b
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
@@ -72,24 +178,32 @@ def _grouped_tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _expert_up_kernel(
     x_ptr,  # [T, d] x.dtype: tokens, rows read through token_index
-    w_ptr,  # [E, 2h, d] x.dtype: rows [:h] gate, [h:] up; any strides
-    hid_ptr,  # [N, h] x.dtype, out: H = silu(A) * B, slot order
-    preact_ptr,  # [N, 2h] x.dtype, out when SAVE_PREACT: A|B, slot order
+    gate_table_ptr,  # [E] int64: byte address of W_gate[e] [h, d] (x.dtype), strides (stride_wg_n, stride_wg_d)
+    up_table_ptr,  # [E] int64: W_up[e] [h, d], read when GATED
+    gate_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_GATE_BIAS
+    up_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_UP_BIAS
+    hid_ptr,  # [N, h] x.dtype, out: H = act(A, B), slot order
+    preact_ptr,  # [N, 2h] (gated) or [N, h] x.dtype, out when SAVE_PREACT: A|B, slot order
     token_index_ptr,  # [N] int32: pair of each slot
     offsets_ptr,  # [E+1] int32: first slot of each expert
     tile_expert_ptr,  # [num_tiles] int32: expert of each row tile, -1 past the last
     tile_start_ptr,  # [num_tiles] int32: first slot of each row tile
     num_tiles, d, h, K,
     stride_x_t, stride_x_d,
-    stride_w_e, stride_w_n, stride_w_d,
+    stride_wg_n, stride_wg_d,
+    stride_wu_n, stride_wu_d,
     stride_hid_s, stride_hid_n,
     stride_pre_s, stride_pre_n,
+    alpha, limit,  # fp32: swiglu_oai's parameters (unused otherwise)
+    ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
+    W_ALIGN: tl.constexpr,
     SAVE_PREACT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of A and of B per program."""
+    """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of A (and of B) per program."""
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)
     if e < 0:
@@ -109,9 +223,12 @@ def _expert_up_kernel(
         offs_n_ld = offs_n % h  # wrapped columns are computed and dropped at the store
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
-    w_e = w_ptr + e.to(tl.int64) * stride_w_e
-    wg_ptrs = w_e + offs_n_ld[None, :].to(tl.int64) * stride_w_n + offs_k[:, None] * stride_w_d  # [BLOCK_K, BLOCK_N]
-    wu_ptrs = wg_ptrs + h * stride_w_n  # h * stride stays far below 2**31
+    w_ty = x_ptr.dtype.element_ty
+    wg_ptrs = (_table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
+               + offs_n_ld[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
+    if GATED:
+        wu_ptrs = (_table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+                   + offs_n_ld[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d)
 
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -119,21 +236,29 @@ def _expert_up_kernel(
         if EVEN_K:
             xa = tl.load(x_ptrs)
             wg = tl.load(wg_ptrs)
-            wu = tl.load(wu_ptrs)
+            if GATED:
+                wu = tl.load(wu_ptrs)
         else:
             k_mask = offs_k < d - k0
             xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
         acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
-        acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
+        if GATED:
+            acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_x_d
-        wg_ptrs += BLOCK_K * stride_w_d
-        wu_ptrs += BLOCK_K * stride_w_d
+        wg_ptrs += BLOCK_K * stride_wg_d
+        if GATED:
+            wu_ptrs += BLOCK_K * stride_wu_d
 
+    e64 = e.to(tl.int64)
+    if HAS_GATE_BIAS:
+        acc_a += tl.load(gate_bias_ptr + e64 * h + offs_n_ld).to(tl.float32)[None, :]
+    if HAS_UP_BIAS:
+        acc_b += tl.load(up_bias_ptr + e64 * h + offs_n_ld).to(tl.float32)[None, :]
     out_ty = hid_ptr.dtype.element_ty
     a = acc_a.to(out_ty)
-    b = acc_b.to(out_ty)
     rows64 = rows.to(tl.int64)
     if EVEN_N:
         mask = row_mask[:, None]
@@ -142,11 +267,35 @@ def _expert_up_kernel(
     if SAVE_PREACT:
         pre_ptrs = preact_ptr + rows64[:, None] * stride_pre_s + offs_n[None, :] * stride_pre_n
         tl.store(pre_ptrs, a, mask=mask)
-        tl.store(pre_ptrs + h * stride_pre_n, b, mask=mask)
     # H from the rounded A|B: the same values the backward recomputes from the saved preact.
-    af = a.to(tl.float32)
-    hid = af * tl.sigmoid(af) * b.to(tl.float32)
+    if GATED:
+        b = acc_b.to(out_ty)
+        if SAVE_PREACT:
+            tl.store(pre_ptrs + h * stride_pre_n, b, mask=mask)
+        hid = _act_forward(a.to(tl.float32), b.to(tl.float32), alpha, limit, ACT)
+    else:
+        af = a.to(tl.float32)
+        hid = _act_forward(af, af, alpha, limit, ACT)
     tl.store(hid_ptr + rows64[:, None] * stride_hid_s + offs_n[None, :] * stride_hid_n, hid.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b_k,
+                     DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += A[:, :k_dim] @ B[:k_dim, :], BLOCK_K at a time (the tail masked unless EVEN_K)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_dim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k < k_dim - k0
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_k
+        b_ptrs += BLOCK_K * stride_b_k
+    return acc
 
 
 @triton.heuristics({
@@ -155,21 +304,26 @@ def _expert_up_kernel(
 })
 @triton.jit
 def _expert_down_kernel(
-    a_ptr,  # [N, k_dim] slot order: H (forward down projection) or dA|dB (backward dX)
-    b_ptr,  # [E, k_dim, n_dim] through strides: W_down[e].T (forward) or W_gate_up[e] (backward)
+    a_ptr,  # [N, k_dim] (or [N, 2*k_dim] when TWO_B) slot order: H (forward) or dA|dB (backward dX)
+    b0_table_ptr,  # [E] int64: B0[e] [k_dim, n_dim] via (stride_b0_k, stride_b0_n): W_down[e].T or W_gate[e]
+    b1_table_ptr,  # [E] int64: B1[e] [k_dim, n_dim] via (stride_b1_k, stride_b1_n): W_up[e], read when TWO_B
+    bias_ptr,  # [E, n_dim] contiguous, a_ptr's dtype: added to C when HAS_BIAS (the down bias)
     c_ptr,  # [N, n_dim] out, slot order: Y (forward) or dX per slot (backward)
     offsets_ptr,  # [E+1] int32
     tile_expert_ptr,  # [num_tiles] int32
     tile_start_ptr,  # [num_tiles] int32
     num_tiles, n_dim, k_dim,
     stride_a_s, stride_a_k,
-    stride_b_e, stride_b_k, stride_b_n,
+    stride_b0_k, stride_b0_n,
+    stride_b1_k, stride_b1_n,
     stride_c_s, stride_c_n,
+    TWO_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): C[rows] = A[rows] @ B[e] for one row tile of expert e."""
+    """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e,
+    C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e])."""
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_m)
     if e < 0:
@@ -186,22 +340,20 @@ def _expert_down_kernel(
     else:
         offs_n_ld = offs_n % n_dim
     offs_k = tl.arange(0, BLOCK_K)
+    b_ty = a_ptr.dtype.element_ty
     a_ptrs = a_ptr + rows_ld[:, None] * stride_a_s + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    b_ptrs = (b_ptr + e.to(tl.int64) * stride_b_e
-              + offs_k[:, None] * stride_b_k + offs_n_ld[None, :].to(tl.int64) * stride_b_n)  # [BLOCK_K, BLOCK_N]
+    b_ptrs = (_table_ptr(b0_table_ptr, e, b_ty, B_ALIGN)
+              + offs_k[:, None] * stride_b0_k + offs_n_ld[None, :].to(tl.int64) * stride_b0_n)  # [BLOCK_K, BLOCK_N]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_mask = offs_k < k_dim - k0
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_a_k
-        b_ptrs += BLOCK_K * stride_b_k
+    acc = _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b0_k, DOT_PRECISION, BLOCK_K, EVEN_K)
+    if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
+        a_ptrs = a_ptrs + k_dim * stride_a_k
+        b_ptrs = (_table_ptr(b1_table_ptr, e, b_ty, B_ALIGN)
+                  + offs_k[:, None] * stride_b1_k + offs_n_ld[None, :].to(tl.int64) * stride_b1_n)
+        acc = _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b1_k, DOT_PRECISION, BLOCK_K, EVEN_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)[None, :]
 
     if EVEN_N:
         mask = row_mask[:, None]
@@ -253,40 +405,89 @@ def _expert_combine_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT"])
-_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim"])
+_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT"])
+_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B"])
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
-def check_expert_inputs(x: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                        plan: DispatchPlan, activation: str) -> tuple[int, int, int, int, int]:
-    """Validate shapes, dtypes, devices and the plan's tile height; return (T, d, K, E, h)."""
-    if activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}; the Triton expert kernels implement {GATED_ACTIVATIONS}")
+def table_align(*tables: WeightTable | None) -> int:
+    """Byte alignment every address of these tables is known to have (a power of two <= 16).
+
+    Read from the table's ``align`` field when it has one (the table builders know the addresses);
+    1 otherwise, which is always correct but costs the 16-byte loads on the GPU."""
+    align = 16
+    for t in tables:
+        if t is not None:
+            a = int(getattr(t, "align", 1) or 1)
+            align = min(align, a & -a)  # lowest set bit: a power of two dividing a
+    return max(align, 1)
+
+
+def _check_table(name: str, t: WeightTable, rows: int, cols: int, E: int, x: Tensor,
+                 dtypes: tuple[torch.dtype, ...]) -> None:
+    if (t.rows, t.cols) != (rows, cols):
+        raise ValueError(f"{name} table must describe [{rows}, {cols}] matrices, got [{t.rows}, {t.cols}]")
+    if t.ptrs.dim() != 1 or t.ptrs.numel() != E or t.ptrs.dtype != torch.int64:
+        raise ValueError(f"{name} table must hold E={E} int64 addresses, got {t.ptrs.numel()} of {t.ptrs.dtype}")
+    if t.ptrs.device != x.device:
+        raise ValueError(f"{name} table lives on {t.ptrs.device}, x on {x.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}"
+                        + ("; cast the weights (or run under autocast) before calling" if len(dtypes) == 1 else ""))
+
+
+def _check_bias(name: str, b: Tensor | None, shape: tuple[int, int], x: Tensor) -> None:
+    if b is None:
+        return
+    if tuple(b.shape) != shape:
+        raise ValueError(f"{name} must be [E, n] = {shape}, got shape {tuple(b.shape)}")
+    if b.dtype != x.dtype:
+        raise TypeError(f"{name} has dtype {b.dtype}; it must have x's dtype {x.dtype}")
+    if b.device != x.device:
+        raise ValueError(f"{name} is on {b.device}, x on {x.device}")
+    if not b.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {b.stride()}); pass {name}.contiguous()")
+
+
+def check_expert_inputs(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
+                        activation: "Activation | str", gate_bias: Tensor | None = None,
+                        up_bias: Tensor | None = None, down_bias: Tensor | None = None
+                        ) -> tuple[int, int, int, int, int, Activation]:
+    """Validate shapes, dtypes, devices, the tables and the plan's tile height; return (T, d, K, E, h, act)."""
+    act = parse_activation(activation)
+    if act.name not in ACT_CODES:
+        raise ValueError(f"unsupported activation {act!r}; the Triton expert kernels implement {tuple(ACT_CODES)}")
     if x.dim() != 2:
         raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}")
     T, d = x.shape
-    if weights.dim() != 2 or weights.shape[0] != T:
-        raise ValueError(f"weights must be [T, K] with T={T}, got shape {tuple(weights.shape)}")
-    K = weights.shape[1]
-    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != d or w_gate_up.shape[1] % 2:
-        raise ValueError(f"w_gate_up must be [E, 2h, {d}], got shape {tuple(w_gate_up.shape)}")
-    E, two_h, _ = w_gate_up.shape
-    h = two_h // 2
-    if tuple(w_down.shape) != (E, d, h):
-        raise ValueError(f"w_down must be [E, d, h] = {(E, d, h)}, got shape {tuple(w_down.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; the expert kernels support {SUPPORTED_DTYPES}")
-    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise TypeError(f"expert weights must have x's dtype {x.dtype}, got w_gate_up {w_gate_up.dtype}, "
-                        f"w_down {w_down.dtype}; cast them (or run under autocast) before calling")
+    if weights.dim() != 2 or weights.shape[0] != T:
+        raise ValueError(f"weights must be [T, K] with T={T}, got shape {tuple(weights.shape)}")
     if not weights.dtype.is_floating_point:
         raise TypeError(f"routing weights must be a float tensor, got {weights.dtype}")
-    tensors = (x, weights, w_gate_up, w_down) + tuple(plan)
+    K = weights.shape[1]
+    if not isinstance(w, ExpertTables):
+        raise TypeError(f"w must be an ExpertTables (see kernels.tables), got {type(w).__name__}")
+    E = w.gate.ptrs.numel()
+    h = w.gate.rows
+    _check_table("gate", w.gate, h, d, E, x, (x.dtype,))
+    if act.gated != (w.up is not None):
+        raise ValueError(f"activation {act.name!r} " + ("needs an up table (gated)" if act.gated
+                                                        else "is not gated: pass w.up=None"))
+    if w.up is not None:
+        _check_table("up", w.up, h, d, E, x, (x.dtype,))
+    _check_table("down", w.down, d, h, E, x, (x.dtype,))
+    if up_bias is not None and not act.gated:
+        raise ValueError(f"up_bias given, but activation {act.name!r} has no up projection")
+    _check_bias("gate_bias", gate_bias, (E, h), x)
+    _check_bias("up_bias", up_bias, (E, h), x)
+    _check_bias("down_bias", down_bias, (E, d), x)
+    tensors = (x, weights) + tuple(plan)
     if any(t.device != x.device for t in tensors):
-        raise ValueError("x, weights, expert weights and the plan must live on one device; got "
+        raise ValueError("x, weights, expert tables and the plan must live on one device; got "
                          + ", ".join(str(t.device) for t in tensors))
     if plan.offsets.numel() != E + 1 or plan.token_index.numel() != T * K or plan.slot_of.numel() != T * K:
         raise ValueError(f"plan does not match the inputs (E={E}, T*K={T * K}): offsets {plan.offsets.numel()}, "
@@ -295,7 +496,7 @@ def check_expert_inputs(x: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: T
     if plan.tile_expert.numel() != max_tiles(T * K, E, bm) or plan.tile_start.numel() != plan.tile_expert.numel():
         raise ValueError(f"plan has {plan.tile_expert.numel()} row tiles, the kernels expect "
                          f"{max_tiles(T * K, E, bm)}: build it with block_m=plan_block_m() (= {bm})")
-    return T, d, K, E, h
+    return T, d, K, E, h, act
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -303,22 +504,26 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def down_project(a: Tensor, b: Tensor, stride_b: tuple[int, int, int], n_dim: int, plan: DispatchPlan,
-                 out: Tensor) -> Tensor:
-    """out[slot] = a[slot] @ B[e] for every routed slot, B[e][k, n] at ``b + e*s_e + k*s_k + n*s_n``."""
+def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[Tensor, int, int] | None,
+                 b_align: int, n_dim: int, plan: DispatchPlan, out: Tensor, bias: Tensor | None = None) -> Tensor:
+    """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot.
+
+    ``b0``/``b1`` are (pointer table, stride_k, stride_n): B[e][k, n] at ``ptrs[e] + k*stride_k + n*stride_n``."""
     num_tiles = plan.tile_expert.numel()
-    k_dim = a.shape[1]
     if num_tiles == 0 or out.numel() == 0:
         return out
+    two_b = b1 is not None
+    b1 = b1 if two_b else b0  # placeholder, never read
 
     def grid(meta):
         return (num_tiles * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     autotune.launch(
         _expert_down_kernel, _expert_down_tuned, "down", grid,
-        a, b, out, plan.offsets, plan.tile_expert, plan.tile_start,
+        a, b0[0], b1[0], bias if bias is not None else a, out, plan.offsets, plan.tile_expert, plan.tile_start,
         num_tiles, n_dim, k_dim,
-        a.stride(0), a.stride(1), *stride_b, out.stride(0), out.stride(1),
+        a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
+        TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out
@@ -342,40 +547,55 @@ def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K:
     return out
 
 
-def expert_forward(x: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, plan: DispatchPlan,
-                   activation: str = "swiglu", save_preact: bool = True) -> tuple[Tensor, Tensor]:
-    """y [T, d] (x.dtype) and preact [T*K, 2h] in slot order (x.dtype; ``[0]`` unless save_preact).
+def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
+                   activation: "Activation | str", save_preact: bool,
+                   gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+                   ) -> tuple[Tensor, Tensor]:
+    """y [T, d] (x.dtype) and preact in slot order (x.dtype): ``[T*K, 2h]`` (gate|up) for a gated activation,
+    ``[T*K, h]`` for a plain one, biases included; ``[0]`` unless save_preact.
 
-    ``plan`` must come from ``dispatch(ids, E, block_m=plan_block_m())`` (or ``dispatch_reference``)."""
-    T, d, K, E, h = check_expert_inputs(x, weights, w_gate_up, w_down, plan, activation)
+    ``w`` holds the weight tables (``w.up`` None exactly for a plain activation); biases are optional
+    contiguous ``[E, h]``, ``[E, h]``, ``[E, d]`` tensors of x's dtype. ``plan`` must come from
+    ``dispatch(ids, E, block_m=plan_block_m())`` (or ``dispatch_reference``)."""
+    T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     N = T * K
-    preact = x.new_empty((N, 2 * h) if save_preact else (0,))
+    width = 2 * h if act.gated else h
+    preact = x.new_empty((N, width) if save_preact else (0,))
     out = x.new_empty((T, d))
     if N == 0 or d == 0:
         return out.zero_(), preact
     num_tiles = plan.tile_expert.numel()
     hid = x.new_empty((N, h))  # transient, freed on return
-    pre = preact if save_preact else hid  # placeholder pointer when not saving, never written
-
-    def grid(meta):
-        return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
-
+    up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
     if h > 0:
+        pre = preact if save_preact else hid  # placeholder pointer when not saving, never written
+
+        def grid(meta):
+            return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
+
         autotune.launch(
             _expert_up_kernel, _expert_up_tuned, "up", grid,
-            x, w_gate_up, hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start,
+            x, w.gate.ptrs, up.ptrs,
+            gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+            hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start,
             num_tiles, d, h, K,
             x.stride(0), x.stride(1),
-            w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2),
+            w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
             hid.stride(0), hid.stride(1),
             pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
+            float(act.alpha), float(act.limit),
+            ACT=ACT_CODES[act.name], GATED=act.gated,
+            HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+            W_ALIGN=table_align(w.gate, w.up),
             SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
         )
+    if h > 0 or down_bias is not None:
         y_slots = x.new_empty((N, d))  # transient, slot order
-        # Y = H @ W_down[e].T: B[e][k, n] = w_down[e, n, k]
-        down_project(hid, w_down, (w_down.stride(0), w_down.stride(2), w_down.stride(1)), d, plan, y_slots)
+        # Y = H @ W_down[e].T (+ b_down[e]): B[e][k, n] = W_down[e][n, k]
+        down_project(hid, h, (w.down.ptrs, w.down.stride_c, w.down.stride_r), None, table_align(w.down), d, plan,
+                     y_slots, down_bias)
         del hid
-    else:  # h == 0: every expert maps to zero
+    else:  # h == 0 and no bias: every expert maps to zero
         y_slots = x.new_zeros((N, d))
     combine(y_slots, weights, plan.slot_of, T, K, out)
     return out, preact

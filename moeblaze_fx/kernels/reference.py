@@ -23,6 +23,8 @@ Three layers live here:
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import NamedTuple
 
 import torch
@@ -34,6 +36,13 @@ __all__ = [
     "max_tiles",
     "dispatch_reference",
     "GATED_ACTIVATIONS",
+    "PLAIN_ACTIVATIONS",
+    "ACTIVATIONS",
+    "Activation",
+    "parse_activation",
+    "ExpertParams",
+    "split_gate_up",
+    "preact_width",
     "activation_forward",
     "activation_backward",
     "moe_ffn_reference",
@@ -101,42 +110,145 @@ def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> Disp
 
 
 # ---------------------------------------------------------------------------------------------
-# Activations. A gated activation maps the pre-activations (gate, up) [n, h] each to H [n, h].
+# Activations. A gated activation maps the pre-activations (gate, up) [n, h] each to H [n, h]; a
+# plain one maps the single pre-activation [n, h] (called ``gate`` here) to H.
 # ---------------------------------------------------------------------------------------------
-GATED_ACTIVATIONS = ("swiglu",)
+GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
+PLAIN_ACTIVATIONS = ("silu", "gelu", "relu")
+ACTIVATIONS = GATED_ACTIVATIONS + PLAIN_ACTIVATIONS
+_SPEC = re.compile(r"^(\w+)(?:\(alpha=([^,()]+),limit=([^,()]+)\))?$")
 
 
-def activation_forward(activation: str, gate: Tensor, up: Tensor) -> Tensor:
-    if activation == "swiglu":
+class Activation(NamedTuple):
+    """An expert activation. ``swiglu_oai`` is the clamped SwiGLU of gpt-oss:
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``."""
+
+    name: str
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    @property
+    def gated(self) -> bool:
+        return self.name in GATED_ACTIVATIONS
+
+    @property
+    def spec(self) -> str:
+        """The string form the operator takes: ``"swiglu"``, ``"swiglu_oai(alpha=1.702,limit=7.0)"``."""
+        return f"{self.name}(alpha={self.alpha!r},limit={self.limit!r})" if self.name == "swiglu_oai" else self.name
+
+
+def parse_activation(spec: "str | Activation") -> Activation:
+    """``Activation`` from its string form; raises ``ValueError`` naming the supported forms."""
+    if isinstance(spec, Activation):
+        return spec
+    m = _SPEC.match(spec) if isinstance(spec, str) else None
+    if m is None or m.group(1) not in ACTIVATIONS or (m.group(1) == "swiglu_oai") != (m.group(2) is not None):
+        raise ValueError(f"unknown activation {spec!r}; supported: {PLAIN_ACTIVATIONS + GATED_ACTIVATIONS[:2]} "
+                         f"and 'swiglu_oai(alpha=A,limit=L)'")
+    if m.group(2) is None:
+        return Activation(m.group(1))
+    alpha, limit = float(m.group(2)), float(m.group(3))
+    if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+        raise ValueError(f"swiglu_oai needs a finite alpha and a finite limit > 0; got {spec!r}")
+    return Activation("swiglu_oai", alpha, limit)
+
+
+def _gelu_grad(v: Tensor) -> Tensor:
+    cdf = 0.5 * (1.0 + torch.erf(v * 0.7071067811865476))
+    return cdf + v * torch.exp(-0.5 * v * v) * 0.3989422804014327
+
+
+def _silu_grad(v: Tensor) -> Tensor:
+    sig = torch.sigmoid(v)
+    return sig * (1 + v * (1 - sig))
+
+
+def activation_forward(act: Activation, gate: Tensor, up: Tensor | None) -> Tensor:
+    name = act.name
+    if name == "swiglu":
         return F.silu(gate) * up
-    raise ValueError(f"unknown activation {activation!r}; supported: {GATED_ACTIVATIONS}")
+    if name == "geglu":
+        return F.gelu(gate) * up
+    if name == "swiglu_oai":
+        g = gate.clamp(max=act.limit)
+        return (up.clamp(-act.limit, act.limit) + 1) * (g * torch.sigmoid(act.alpha * g))
+    if name == "silu":
+        return F.silu(gate)
+    if name == "gelu":
+        return F.gelu(gate)
+    if name == "relu":
+        return F.relu(gate)
+    raise ValueError(f"unknown activation {act!r}")
 
 
-def activation_backward(activation: str, gate: Tensor, up: Tensor, d_h: Tensor) -> tuple[Tensor, Tensor]:
-    """Given dL/dH, return (dL/dgate, dL/dup), recomputing what the forward computed."""
-    if activation == "swiglu":
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        d_gate = d_h * up * (sig * (1 + gate * (1 - sig)))
-        return d_gate, d_h * silu
-    raise ValueError(f"unknown activation {activation!r}; supported: {GATED_ACTIVATIONS}")
+def activation_backward(act: Activation, gate: Tensor, up: Tensor | None, d_h: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Given dL/dH, return (dL/dgate, dL/dup or None), recomputing what the forward computed.
+    Clamps pass the gradient where the input lies inside the closed interval (as ``torch.clamp``)."""
+    name = act.name
+    if name == "swiglu":
+        return d_h * up * _silu_grad(gate), d_h * F.silu(gate)
+    if name == "geglu":
+        return d_h * up * _gelu_grad(gate), d_h * F.gelu(gate)
+    if name == "swiglu_oai":
+        L, a = act.limit, act.alpha
+        g = gate.clamp(max=L)
+        sig = torch.sigmoid(a * g)
+        u1 = up.clamp(-L, L) + 1
+        d_gate = d_h * u1 * (sig + a * g * sig * (1 - sig)) * (gate <= L)
+        d_up = d_h * (g * sig) * ((up >= -L) & (up <= L))
+        return d_gate, d_up
+    if name == "silu":
+        return d_h * _silu_grad(gate), None
+    if name == "gelu":
+        return d_h * _gelu_grad(gate), None
+    if name == "relu":
+        return d_h * (gate > 0), None
+    raise ValueError(f"unknown activation {act!r}")
 
 
-def moe_ffn_reference(
-    x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str = "swiglu"
-) -> Tensor:
+# ---------------------------------------------------------------------------------------------
+# Expert parameters, dense: what the plain-PyTorch implementation and the reference compute with.
+# ---------------------------------------------------------------------------------------------
+class ExpertParams(NamedTuple):
+    """Every expert's parameters as ``[E, ...]`` tensors (any strides).
+
+    ``up`` is None exactly for the plain activations; a bias left None is absent."""
+
+    gate: Tensor  # [E, h, d]: gate projection (the only up-projection of a plain activation)
+    up: Tensor | None  # [E, h, d]
+    down: Tensor  # [E, d, h]
+    gate_bias: Tensor | None = None  # [E, h]
+    up_bias: Tensor | None = None  # [E, h]
+    down_bias: Tensor | None = None  # [E, d]
+
+
+def split_gate_up(w_gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of Hugging Face's ``[E, 2h, d]`` (gate rows, then up rows) as ``([E, h, d], [E, h, d])``."""
+    h = w_gate_up.shape[1] // 2
+    return w_gate_up[:, :h], w_gate_up[:, h:]
+
+
+def _project(rows: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    out = rows @ w.t()
+    return out if b is None else out + b
+
+
+def moe_ffn_reference(x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertParams,
+                      activation: "str | Activation" = "swiglu") -> Tensor:
     """The obvious differentiable loop over experts; accumulates in float32, returns x's dtype."""
-    E, two_h, _ = w_gate_up.shape
-    h = two_h // 2
+    act = parse_activation(activation)
+    E = experts.gate.shape[0]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    p = experts
     for e in range(E):
         tok, k = torch.where(ids == e)
         if tok.numel() == 0:
             continue
-        pre = x[tok] @ w_gate_up[e].t()
-        hid = activation_forward(activation, pre[:, :h], pre[:, h:])
-        y = hid @ w_down[e].t()
+        xe = x[tok]
+        gate = _project(xe, p.gate[e], None if p.gate_bias is None else p.gate_bias[e])
+        up = None if p.up is None else _project(xe, p.up[e], None if p.up_bias is None else p.up_bias[e])
+        y = _project(activation_forward(act, gate, up), p.down[e], None if p.down_bias is None else p.down_bias[e])
         out = out.index_add(0, tok, y.to(acc) * weights[tok, k, None].to(acc))
     return out.to(x.dtype)
 
@@ -150,40 +262,53 @@ def _expert_ranges(plan: DispatchPlan) -> list[tuple[int, int, int]]:
     return [(e, off[e], off[e + 1]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
 
 
+def _bias(b: Tensor | None, e: int) -> Tensor | None:
+    return None if b is None else b[e]
+
+
+def preact_width(experts: ExpertParams) -> int:
+    """Columns of the saved pre-activations: gate|up (2h) for a gated activation, h otherwise."""
+    h = experts.gate.shape[1]
+    return 2 * h if experts.up is not None else h
+
+
 def moe_ffn_forward_torch(
     x: Tensor,
     ids: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
-    activation: str,
+    experts: ExpertParams,
+    activation: "str | Activation",
     save_preact: bool,
     plan: DispatchPlan | None = None,
 ) -> tuple[Tensor, Tensor, DispatchPlan]:
-    """Returns (y [T, d] in x's dtype, preact [T*K, 2h] or [0], plan).
+    """Returns (y [T, d] in x's dtype, preact [T*K, 2h or h] or [0], plan).
 
-    Per expert: gather that expert's rows of x (a transient [n_e, d] block, freed at once), one
-    up-projection GEMM for gate and up together, the activation, the down projection, and a
-    weighted accumulation into a float32 output. ``preact`` is written in slot order.
+    Per expert: gather that expert's rows of x (a transient [n_e, d] block, freed at once), the up
+    projection(s) with their biases, the activation, the down projection, and a weighted accumulation
+    into a float32 output. ``preact`` (biases included) is written in slot order.
     """
+    act = parse_activation(activation)
     T, d = x.shape
     K = ids.shape[1]
-    E, two_h, _ = w_gate_up.shape
+    p = experts
+    E, h, _ = p.gate.shape
     if plan is None:
         plan = dispatch_reference(ids, E)
     tok_of_slot = plan.token_index.to(torch.int64) // K
     w_flat = weights.reshape(-1)
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(T, d, dtype=acc, device=x.device)
-    preact = x.new_empty((T * K, two_h) if save_preact else (0,))
-    h = two_h // 2
+    preact = x.new_empty((T * K, preact_width(p)) if save_preact else (0,))
     for e, lo, hi in _expert_ranges(plan):
         tok = tok_of_slot[lo:hi]
-        pre = x[tok] @ w_gate_up[e].t()
+        xe = x[tok]
+        gate = _project(xe, p.gate[e], _bias(p.gate_bias, e))
+        up = None if p.up is None else _project(xe, p.up[e], _bias(p.up_bias, e))
         if save_preact:
-            preact[lo:hi] = pre
-        hid = activation_forward(activation, pre[:, :h], pre[:, h:])
-        y = hid @ w_down[e].t()
+            preact[lo:hi, :h] = gate
+            if up is not None:
+                preact[lo:hi, h:] = up
+        y = _project(activation_forward(act, gate, up), p.down[e], _bias(p.down_bias, e))
         scale = w_flat[plan.token_index[lo:hi].to(torch.int64)].to(acc)
         out.index_add_(0, tok, y.to(acc) * scale[:, None])
     return out.to(x.dtype), preact, plan
@@ -194,39 +319,57 @@ def moe_ffn_backward_torch(
     x: Tensor,
     ids: Tensor,
     weights: Tensor,
-    w_gate_up: Tensor,
-    w_down: Tensor,
+    experts: ExpertParams,
     preact: Tensor,
     plan: DispatchPlan,
-    activation: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dx, dweights, dw_gate_up, dw_down). ``preact`` empty means recompute it."""
+    activation: "str | Activation",
+) -> tuple[Tensor, Tensor, ExpertParams]:
+    """Returns (dx, dweights, grads) with ``grads`` an :class:`ExpertParams` of the gradients of
+    ``experts`` (None where ``experts`` has None). ``preact`` empty means recompute it.
+
+    The routing-weight gradient is ``<dH', H> + <dy, b_down>`` per slot (dH' the gradient H gets with
+    weight 1), so the expert outputs are never needed."""
+    act = parse_activation(activation)
     T, d = x.shape
     K = ids.shape[1]
-    E, two_h, _ = w_gate_up.shape
-    h = two_h // 2
+    p = experts
+    E, h, _ = p.gate.shape
     tok_of_slot = plan.token_index.to(torch.int64) // K
     w_flat = weights.reshape(-1)
     acc = torch.promote_types(x.dtype, torch.float32)
     dx = torch.zeros(T, d, dtype=acc, device=x.device)
     dweights = torch.zeros(T * K, dtype=acc, device=x.device)
-    dw_gate_up = torch.zeros_like(w_gate_up)
-    dw_down = torch.zeros_like(w_down)
+    grads = ExpertParams(*[None if t is None else torch.zeros_like(t) for t in p])
     recompute = preact.numel() == 0
     for e, lo, hi in _expert_ranges(plan):
         pairs = plan.token_index[lo:hi].to(torch.int64)
         tok = tok_of_slot[lo:hi]
         xe = x[tok]
-        pre = xe @ w_gate_up[e].t() if recompute else preact[lo:hi]
-        gate, up = pre[:, :h], pre[:, h:]
-        hid = activation_forward(activation, gate, up)
+        if recompute:
+            gate = _project(xe, p.gate[e], _bias(p.gate_bias, e))
+            up = None if p.up is None else _project(xe, p.up[e], _bias(p.up_bias, e))
+        else:
+            gate, up = preact[lo:hi, :h], None if p.up is None else preact[lo:hi, h:]
+        hid = activation_forward(act, gate, up)
         dout = grad_y[tok]
-        d_hid_unscaled = dout @ w_down[e]  # dH' [n, h]: the gradient H would get with weight 1
-        dweights[pairs] = (d_hid_unscaled.to(acc) * hid.to(acc)).sum(1)
-        scale = w_flat[pairs].to(dout.dtype)[:, None]
-        dw_down[e] = (dout * scale).t() @ hid
-        d_gate, d_up = activation_backward(activation, gate, up, d_hid_unscaled * scale)
-        d_pre = torch.cat([d_gate, d_up], dim=1)
-        dw_gate_up[e] = d_pre.t() @ xe
-        dx.index_add_(0, tok, (d_pre @ w_gate_up[e]).to(acc))
-    return dx.to(x.dtype), dweights.view(T, K).to(weights.dtype), dw_gate_up, dw_down
+        d_hid_unscaled = dout @ p.down[e]  # dH' [n, h]
+        dw = (d_hid_unscaled.to(acc) * hid.to(acc)).sum(1)
+        if p.down_bias is not None:
+            dw = dw + (dout.to(acc) * p.down_bias[e].to(acc)).sum(1)
+        dweights[pairs] = dw
+        scaled = dout * w_flat[pairs].to(dout.dtype)[:, None]
+        grads.down[e] = scaled.t() @ hid
+        if grads.down_bias is not None:
+            grads.down_bias[e] = scaled.to(acc).sum(0).to(p.down_bias.dtype)
+        d_gate, d_up = activation_backward(act, gate, up, d_hid_unscaled * w_flat[pairs].to(dout.dtype)[:, None])
+        grads.gate[e] = d_gate.t() @ xe
+        dxe = d_gate @ p.gate[e]
+        if grads.gate_bias is not None:
+            grads.gate_bias[e] = d_gate.to(acc).sum(0).to(p.gate_bias.dtype)
+        if d_up is not None:
+            grads.up[e] = d_up.t() @ xe
+            dxe = dxe + d_up @ p.up[e]
+            if grads.up_bias is not None:
+                grads.up_bias[e] = d_up.to(acc).sum(0).to(p.up_bias.dtype)
+        dx.index_add_(0, tok, dxe.to(acc))
+    return dx.to(x.dtype), dweights.view(T, K).to(weights.dtype), grads

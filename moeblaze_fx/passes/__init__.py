@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..config import MoEBlazeConfig
-from ..ops import plan_block_m
+from ..ops import default_chunk_tokens
 from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import example_value, find_candidates, size_hint
@@ -24,7 +24,6 @@ from .rewrite import rewrite
 __all__ = ["run_passes", "saved_bytes_after", "format_graph"]
 
 log = logging.getLogger("moeblaze_fx")
-ACTIVATION = "swiglu"
 
 
 # Frames from these places are library plumbing, not the model's source.
@@ -114,14 +113,13 @@ def _order_of(err: float) -> float:
     return 10.0 ** math.ceil(math.log10(max(err, 1e-16)))
 
 
-def saved_bytes_after(T: int, d: int, h: int, E: int, K: int, itemsize: int, ids_itemsize: int,
-                      weights_itemsize: int, policy: str, block_m: int = 64) -> int:
+def saved_bytes_after(T: int, d: int, h: int, K: int, itemsize: int, ids_itemsize: int, weights_itemsize: int,
+                      policy: str, gated: bool = True) -> int:
     """What the operator saves for backward (the formula in report.py's docstring)."""
     n_pairs = T * K
-    tiles = n_pairs // block_m + E
-    total = T * d * itemsize + n_pairs * (ids_itemsize + weights_itemsize) + 4 * (E + 1 + 2 * n_pairs + 2 * tiles)
+    total = T * d * itemsize + n_pairs * (ids_itemsize + weights_itemsize)
     if policy == "activations":
-        total += n_pairs * 2 * h * itemsize
+        total += n_pairs * (2 if gated else 1) * h * itemsize
     return total
 
 
@@ -137,6 +135,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(graph.graph_copy(gm.graph, {}))
     work = fx.GraphModule(gm, graph)
     work.meta.update(getattr(gm, "meta", {}))
+    work.compile_subgraph_reason = getattr(gm, "compile_subgraph_reason", None)
     return work
 
 
@@ -199,31 +198,33 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
         record.h = ext.h if ext.h > 0 else None
         if cfg.verify:
             try:
-                proof = prove(work, cand, ext, real, ACTIVATION)
+                proof = prove(work, cand, ext, real)
             except Exception as exc:
-                proof = Proof(None, f"internal error while proving: {type(exc).__name__}: {exc}")
+                proof = Proof(None, reason=f"internal error while proving: {type(exc).__name__}: {exc}")
             record.saved_bytes_before = proof.saved_bytes_before
             if proof.layout is None:
                 record.reason = proof.reason
                 continue
-            layout = proof.layout
+            layout, act = proof.layout, proof.activation
             grads = max(proof.gradient_errors.values(), default=0.0)
             record.check = (f"numerical: forward and gradients within rel. error "
                             f"{_order_of(max(proof.forward_error, grads)):.0e} of the operator")
         else:
             layout = ext.layouts[0]
-            ext.h = int(ext.roles[layout.down].shape[1 if layout.down_t else 2])
+            act = next(a for a in ext.activations if a.gated == (layout.up is not None))
+            ext.h = int(layout.down.view(ext.roles[layout.down.role], 0).cols)
             record.check = "shapes only (verify=False)"
         record.h = ext.h
-        record.layout = layout.describe(ext.roles, ext.role_names)
+        record.layout = f"{layout.describe(ext.role_names)}; activation {act.spec}"
         itemsize = torch.empty((), dtype=ext.dtype).element_size()
         t_hint = size_hint(ext.T)
         policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize)
-        rewrite(work, cand, ext, layout, ACTIVATION, policy)
+        chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
+        rewrite(work, cand, ext, layout, act.spec, policy, chunk)
         record.status, record.policy = "rewritten", policy
         record.saved_bytes_after = saved_bytes_after(
-            t_hint, ext.d, ext.h, ext.E, ext.K, itemsize, example_value(ext.ids).element_size(),
-            example_value(ext.weights).element_size(), policy, plan_block_m(example_value(ext.x).device),
+            t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
+            example_value(ext.weights).element_size(), policy, act.gated,
         )
         rewritten += 1
     if not rewritten:

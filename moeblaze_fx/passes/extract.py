@@ -1,10 +1,12 @@
 """Step 3: extract what a candidate region computes with.
 
 From the region's external inputs: the tokens ``x``, the combine ``weights``, the ``ids``, and the
-expert parameters, grouped into *roles* (one ``[E, r, c]`` tensor per role: a 3-D parameter, or the
-same parameter of every expert of a ``ModuleList`` stacked). Then the layout hypotheses: each a
-recipe that builds the operator's ``w_gate_up [E, 2h, d]`` and ``w_down [E, d, h]`` from the roles.
-Shapes alone rule most hypotheses out; ``prove`` picks among the rest by computing.
+expert parameters, grouped into *roles* (one ``[E, r, c]`` weight or ``[E, n]`` bias per role: a 3-D
+(2-D) parameter, or the same parameter of every expert of a ``ModuleList``). Then the layout
+hypotheses: each says which part of which role is the operator's gate, up, down and biases (stored
+transposed or not; the whole role, its halves or its even/odd rows), and the activation candidates
+from the functions the region calls. The operator reads those parts in place (``Layout.operator_args``);
+shapes alone rule most hypotheses out; ``prove`` picks among the rest by computing.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from ..kernels.reference import Activation, ExpertParams
+from ..ops import ROLES, RoleView, encode_layout
 from .find import SHAPE_ONLY_NAMES, Candidate, example_value, same_size
 
 from .normalize import canonical_name, role
@@ -26,53 +30,101 @@ __all__ = ["Extraction", "Role", "Layout", "extract"]
 
 @dataclasses.dataclass
 class Role:
-    """One expert weight for all experts: a 3-D parameter, or E 2-D parameters to stack."""
+    """One expert tensor for all experts: a 3-D parameter (a 2-D one for a bias), or the same
+    parameter of every expert of a ``ModuleList`` (2-D weights, 1-D biases)."""
 
-    params: list[fx.Node]  # one node ([E, r, c]) or E nodes ([r, c]) in expert order
-    shape: tuple[int, int, int]  # [E, r, c]
+    params: list[fx.Node]  # one node ([E, r, c] or [E, n]) or E nodes ([r, c] or [n]) in expert order
+    shape: tuple[int, int, int]  # [E, r, c]; a bias is [E, n, 1]
+    bias: bool = False
 
     @property
     def stacked(self) -> bool:
-        return len(self.params) > 1 or example_value(self.params[0]).dim() == 2
+        return len(self.params) > 1 or example_value(self.params[0]).dim() == (1 if self.bias else 2)
+
+
+# How an operator role is cut from an extracted role, along its output features (logical rows):
+PIECES = ("all", "first", "second", "even", "odd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Operator role = rows ``piece`` of extracted role ``role``, stored transposed (``[E, in, out]``) when ``t``."""
+
+    role: int
+    t: bool = False
+    piece: str = "all"
+
+    def describe(self, names: list[str]) -> str:
+        piece = {"all": "", "first": "[:n/2]", "second": "[n/2:]", "even": "[0::2]", "odd": "[1::2]"}[self.piece]
+        return f"{names[self.role]}{'.T' if self.t else ''}{piece}"
+
+    def view(self, role: Role, first: int) -> RoleView:
+        """Where this part lives in the role's parameter(s) (``first``: index of its first parameter)."""
+        val = example_value(role.params[0])
+        strides = list(val.stride())
+        if role.bias:
+            strides = strides + [1]  # [.., n] -> [.., n, 1]
+        if role.stacked:
+            strides = [0] + strides
+        s_e, s_r, s_c = strides
+        rows, cols = role.shape[1], role.shape[2]
+        if self.t:
+            s_r, s_c, rows, cols = s_c, s_r, cols, rows
+        offset = 0
+        if self.piece != "all":
+            rows //= 2
+            if self.piece == "second":
+                offset = rows * s_r
+            elif self.piece in ("even", "odd"):
+                offset = s_r if self.piece == "odd" else 0
+                s_r *= 2
+        return RoleView(first, len(role.params), offset, s_e, s_r, s_c, rows, cols)
+
+    def value(self, value: torch.Tensor, bias: bool) -> torch.Tensor:
+        """The part of a role's ``[E, r, c]`` (``[E, n]`` for a bias) tensor, as a view."""
+        v = value.transpose(1, 2) if self.t else value
+        n = v.shape[1]
+        return {"all": v, "first": v[:, : n // 2], "second": v[:, n // 2:], "even": v[:, 0::2], "odd": v[:, 1::2]}[self.piece]
 
 
 @dataclasses.dataclass
 class Layout:
-    """How the operator's weights are made from the roles.
+    """The operator's expert roles, each a :class:`Part` of an extracted role; ``up`` is None for a
+    plain (non-gated) activation."""
 
-    ``gate``/``up`` (or ``gate_up``) and ``down`` name roles; ``*_t`` says the role is stored
-    transposed (``[E, in, out]``). ``gate_up`` holds gate rows then up rows.
-    """
+    gate: Part
+    up: Optional[Part]
+    down: Part
+    gate_bias: Optional[Part] = None
+    up_bias: Optional[Part] = None
+    down_bias: Optional[Part] = None
 
-    down: int
-    down_t: bool
-    gate_up: Optional[int] = None
-    gate_up_t: bool = False
-    gate: Optional[int] = None
-    up: Optional[int] = None
-    gate_t: bool = False
-    up_t: bool = False
+    @property
+    def parts(self) -> list[Optional[Part]]:
+        return [self.gate, self.up, self.down, self.gate_bias, self.up_bias, self.down_bias]
 
-    def describe(self, roles: list[Role], names: list[str]) -> str:
-        t = lambda flag: ".T" if flag else ""  # noqa: E731
-        if self.gate_up is not None:
-            gu = f"{names[self.gate_up]}{t(self.gate_up_t)}"
-        else:
-            gu = f"cat({names[self.gate]}{t(self.gate_t)}, {names[self.up]}{t(self.up_t)})"
-        return f"gate|up = {gu}, down = {names[self.down]}{t(self.down_t)}"
+    def describe(self, names: list[str]) -> str:
+        text = [f"{role} = {part.describe(names)}" for role, part in zip(ROLES, self.parts) if part is not None]
+        return ", ".join(text)
 
-    def build(self, roles: list[Role], values: list[Any], call: Callable[..., Any]) -> tuple[Any, Any]:
-        """Build (w_gate_up, w_down) from per-role values with ``call(fn, *args)``: eager or graph nodes."""
+    def experts(self, roles: list[Role], values: list[torch.Tensor]) -> ExpertParams:
+        """Dense expert tensors (views of ``values``, one ``[E, ...]`` tensor per role) for the reference."""
+        return ExpertParams(*[None if p is None else p.value(values[p.role], roles[p.role].bias) for p in self.parts])
 
-        def oriented(i: int, transposed: bool) -> Any:
-            v = values[i]
-            return call(torch.transpose, v, 1, 2) if transposed else v
-
-        if self.gate_up is not None:
-            w_gate_up = oriented(self.gate_up, self.gate_up_t)
-        else:
-            w_gate_up = call(torch.cat, [oriented(self.gate, self.gate_t), oriented(self.up, self.up_t)], 1)
-        return w_gate_up, oriented(self.down, self.down_t)
+    def operator_args(self, roles: list[Role]) -> tuple[list[fx.Node], list[int]]:
+        """The operator's ``params`` (graph nodes, each once) and ``layout`` ints."""
+        params: list[fx.Node] = []
+        first: dict[int, int] = {}
+        views = []
+        for part in self.parts:
+            if part is None:
+                views.append(None)
+                continue
+            if part.role not in first:
+                first[part.role] = len(params)
+                params.extend(roles[part.role].params)
+            views.append(part.view(roles[part.role], first[part.role]))
+        return params, encode_layout(roles[self.gate.role].shape[0], views)
 
 
 @dataclasses.dataclass
@@ -83,6 +135,7 @@ class Extraction:
     roles: list[Role]
     role_names: list[str]
     layouts: list[Layout]
+    activations: list[Activation]  # candidates, most likely first
     T: Any  # int or SymInt
     K: int
     d: int
@@ -91,48 +144,62 @@ class Extraction:
     dtype: torch.dtype
 
 
+def _families(params: list[fx.Node], name_of: dict[fx.Node, str]) -> dict[str, list[tuple[int, fx.Node]]] | str:
+    """ModuleList experts: parameters whose names differ only in the expert's index form one family,
+    ordered by that index. The index is the number position (counted from the end of the name) at
+    which every family holds same-shaped parameters, as many in each."""
+    if not params:
+        return {}
+    numbers = {p: list(re.finditer(r"\d+", name_of[p])) for p in params}
+    depth = min(len(m) for m in numbers.values())
+    for j in range(1, depth + 1):
+        trial: dict[str, list[tuple[int, fx.Node]]] = {}
+        for p in params:
+            m = numbers[p][-j]
+            name = name_of[p]
+            trial.setdefault(name[: m.start()] + "#" + name[m.end():], []).append((int(m.group()), p))
+        sizes = {len(v) for v in trial.values()}
+        if len(sizes) == 1 and sizes.pop() > 1 and all(
+            len({tuple(example_value(p).shape) for _, p in v}) == 1 for v in trial.values()
+        ):
+            return trial
+    return "the per-expert parameters do not form families (one tensor of each expert per role)"
+
+
 def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[list[Role], list[str]] | str:
-    three_d = [p for p in params if example_value(p).dim() == 3]
-    two_d = [p for p in params if example_value(p).dim() == 2]
-    other = [p for p in params if example_value(p).dim() not in (2, 3)]
+    by_rank: dict[int, list[fx.Node]] = {}
+    for p in params:
+        by_rank.setdefault(example_value(p).dim(), []).append(p)
+    other = [p for r, ps in by_rank.items() if r not in (1, 2, 3) for p in ps]
     if other:
-        shapes = [tuple(example_value(p).shape) for p in other]
-        return f"expert parameters of unsupported rank (biases are not supported yet): {shapes}"
-    roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in three_d]
-    names = [name_of[p] for p in three_d]
-    # ModuleList experts: the parameters whose names differ only in the expert's index form one
-    # role, ordered by that index. The index is the number position (counted from the end of the
-    # name) at which every group holds same-shaped parameters, as many in each group.
-    groups: dict[str, list[tuple[int, fx.Node]]] = {}
-    if two_d:
-        numbers = {p: list(re.finditer(r"\d+", name_of[p])) for p in two_d}
-        depth = min(len(m) for m in numbers.values())
-        for j in range(1, depth + 1):
-            trial: dict[str, list[tuple[int, fx.Node]]] = {}
-            for p in two_d:
-                m = numbers[p][-j]
-                name = name_of[p]
-                trial.setdefault(name[: m.start()] + "#" + name[m.end():], []).append((int(m.group()), p))
-            sizes = {len(v) for v in trial.values()}
-            if len(sizes) == 1 and sizes.pop() > 1 and all(
-                len({tuple(example_value(p).shape) for _, p in v}) == 1 for v in trial.values()
-            ):
-                groups = trial
-                break
-        if not groups:
-            return "the 2-D expert parameters do not form per-expert families (one weight of each expert per role)"
-    for skeleton, members in groups.items():
-        members.sort(key=lambda m: m[0])
-        shapes = {tuple(example_value(p).shape) for _, p in members}
-        if len(shapes) != 1:
-            return f"the experts' {skeleton} parameters differ in shape: {sorted(shapes)}"
-        r, c = shapes.pop()
-        roles.append(Role([p for _, p in members], (len(members), r, c)))
-        names.append(skeleton.replace("#", "*"))
+        return f"expert parameters of unsupported rank: {[tuple(example_value(p).shape) for p in other]}"
+    roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in by_rank.get(3, [])]
+    names = [name_of[p] for p in by_rank.get(3, [])]
+    # 2-D: [E, n] biases beside 3-D weights, else the per-expert weights of a ModuleList
+    per_expert = [] if roles else by_rank.get(2, [])
+    for p in by_rank.get(2, []) if roles else []:
+        roles.append(Role([p], (*example_value(p).shape, 1), bias=True))
+        names.append(name_of[p])
+    for group, bias in ((per_expert, False), (by_rank.get(1, []), True)):
+        fam = _families(group, name_of)
+        if isinstance(fam, str):
+            return fam
+        for skeleton, members in fam.items():
+            members.sort(key=lambda m: m[0])
+            shape = tuple(example_value(members[0][1]).shape)
+            roles.append(Role([p for _, p in members], (len(members), *shape, 1) if bias else (len(members), *shape),
+                              bias=bias))
+            names.append(skeleton.replace("#", "*"))
     return roles, names
 
 
-def _layouts(roles: list[Role], d: int) -> tuple[list[Layout], int] | str:
+def _stem(name: str) -> str:
+    return re.sub(r"[._]?(weight|bias)$", "", name)
+
+
+def _layouts(roles: list[Role], names: list[str], d: int) -> tuple[list[Layout], int] | str:
+    weights = [i for i, r in enumerate(roles) if not r.bias]
+    biases = [i for i, r in enumerate(roles) if r.bias]
     experts = {r.shape[0] for r in roles}
     if len(experts) != 1:
         return f"expert parameters disagree on the number of experts: {sorted(experts)}"
@@ -153,28 +220,68 @@ def _layouts(roles: list[Role], d: int) -> tuple[list[Layout], int] | str:
         if (c, r) == (out, d):
             yield True
 
-    if len(roles) == 2:
-        for down in (1, 0):
-            gu = 1 - down
+    if len(weights) == 2:
+        for down in weights[::-1]:
+            gu = weights[0] if down == weights[1] else weights[1]
             for down_t, h in down_options(down):
-                for gu_t in in_options(gu, 2 * h):
-                    layouts.append(Layout(down=down, down_t=down_t, gate_up=gu, gate_up_t=gu_t))
+                for t in in_options(gu, 2 * h):  # gate and up fused: halves or interleaved rows
+                    for g, u in (("first", "second"), ("even", "odd")):
+                        layouts.append(Layout(Part(gu, t, g), Part(gu, t, u), Part(down, down_t)))
+                        hs.add(h)
+                for t in in_options(gu, h):  # a plain activation
+                    layouts.append(Layout(Part(gu, t), None, Part(down, down_t)))
                     hs.add(h)
-    elif len(roles) == 3:
-        for down in (2, 1, 0):
-            rest = [i for i in range(3) if i != down]
+    elif len(weights) == 3:
+        for down in weights[::-1]:
+            rest = [i for i in weights if i != down]
             for down_t, h in down_options(down):
                 for gate, up in (rest, rest[::-1]):
                     for gate_t, up_t in itertools.product(in_options(gate, h), in_options(up, h)):
-                        layouts.append(Layout(down=down, down_t=down_t, gate=gate, up=up, gate_t=gate_t, up_t=up_t))
+                        layouts.append(Layout(Part(gate, gate_t), Part(up, up_t), Part(down, down_t)))
                         hs.add(h)
     else:
-        return f"expected 2 or 3 expert weights (gate|up and down, or gate, up and down); found {len(roles)}"
+        return f"expected 2 or 3 expert weights (gate|up and down, or gate, up and down); found {len(weights)}"
     if not layouts:
-        shapes = [r.shape for r in roles]
-        return f"no SwiGLU layout fits the expert weight shapes {shapes} with d = {d}"
+        return f"no layout fits the expert weight shapes {[roles[i].shape for i in weights]} with d = {d}"
+    if biases:  # a bias belongs to the weight of the same name and is cut as that weight is
+        with_bias = []
+        for lay in layouts:
+            fields = {f"{field}_bias": Part(b, False, part.piece)
+                      for b in biases for field, part in zip(("gate", "up", "down"), lay.parts[:3])
+                      if part is not None and _stem(names[part.role]) == _stem(names[b])
+                      and roles[b].shape[1] == roles[part.role].shape[2 if part.t else 1]}
+            if {p.role for p in fields.values()} == set(biases):
+                with_bias.append(dataclasses.replace(lay, **fields))
+        if not with_bias:
+            return (f"the expert biases {[names[b] for b in biases]} do not match the expert weights "
+                    f"{[names[i] for i in weights]} by name and size")
+        layouts = with_bias
     # where several hidden sizes fit (d == h, say), prove decides and sets Extraction.h
     return layouts, hs.pop() if len(hs) == 1 else -1
+
+
+def _constants(node: fx.Node) -> list[float]:
+    return [float(a) for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+
+
+def _activations(cand: Candidate, gated: bool) -> list[Activation]:
+    """Activation candidates from the functions the region calls."""
+    nodes = {canonical_name(n): n for n in cand.nodes}
+    found: list[Activation] = []
+    clamps = [c for n in cand.nodes if canonical_name(n) in ("clamp", "clamp_max", "clamp_min", "clip")
+              for c in _constants(n)]
+    if gated and "sigmoid" in nodes and clamps:
+        sig_in = nodes["sigmoid"].args[0]
+        alpha = next(iter(_constants(sig_in)), 1.0) if isinstance(sig_in, fx.Node) and canonical_name(sig_in) in (
+            "mul", "mul_") else 1.0
+        found.append(Activation("swiglu_oai", alpha, max(abs(c) for c in clamps)))
+    if "gelu" in nodes:
+        found.append(Activation("geglu" if gated else "gelu"))
+    if "relu" in nodes and not gated:
+        found.append(Activation("relu"))
+    if "silu" in nodes or "sigmoid" in nodes:
+        found.append(Activation("swiglu" if gated else "silu"))
+    return found
 
 
 def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
@@ -213,7 +320,8 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     if others:
         return f"the region reads non-float tensors other than the ids: {[n.name for n in others]}"
     xs = [n for n in floats if same_size(example_value(n).shape[-1], d) and same_size(example_value(n).numel(), T * d)]
-    ws = [n for n in floats if n not in xs and same_size(example_value(n).numel(), T * K)]
+    ws = [n for n in floats if n not in xs and same_size(example_value(n).numel(), T * K)
+          and (example_value(n).dim() == 1 or any(same_size(example_value(n).shape[-1], c) for c in (K, 1)))]
     if len(xs) != 1 or len(ws) != 1 or len(floats) != 2:
         return (f"expected the region to read tokens [T, d] and combine weights [T, K] besides the ids and "
                 f"parameters; it reads {[(n.name, tuple(example_value(n).shape)) for n in floats]}")
@@ -223,16 +331,20 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     if isinstance(found, str):
         return found
     roles, role_names = found
-    lay = _layouts(roles, d)
+    lay = _layouts(roles, role_names, d)
     if isinstance(lay, str):
         return lay
     layouts, h = lay
+    activations = {gated: _activations(cand, gated) for gated in (True, False)}
+    layouts = [lay for lay in layouts if activations[lay.up is not None]]
+    if not layouts:
+        return "no supported expert activation (SwiGLU, GeGLU, clamped SwiGLU, SiLU, GELU, ReLU) found in the region"
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
         return "the expert weights and the tokens have different dtypes"
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
-        T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]), dtype=x_val.dtype,
+        activations=activations[True] + activations[False], T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]), dtype=x_val.dtype,
     )
 
 
@@ -250,7 +362,7 @@ def idiom(cand: Candidate) -> str:
         kind = "per-expert loop"
     else:
         kind = "unknown"
-    how = [n for n in ("sort", "argsort", "one_hot", "where", "nonzero", "histc", "bincount") if n in names]
+    how = [n for n in ("sort", "argsort", "one_hot", "where", "nonzero", "histc", "bincount", "split") if n in names]
     combine = [n for n in ("index_add", "index_put", "scatter_add", "functional_setitem") if n in names]
     detail = "+".join(how + combine)
     return f"{kind} [{detail}]" if detail else kind

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..kernels.reference import moe_ffn_reference
+from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
 from .extract import Extraction, Layout
 from .find import Candidate, example_value, size_hint
@@ -34,6 +34,7 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.float16: 2e-2, torc
 @dataclasses.dataclass
 class Proof:
     layout: Optional[Layout]
+    activation: Optional[Activation] = None
     reason: Optional[str] = None  # why not proven
     forward_error: Optional[float] = None
     gradient_errors: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -90,23 +91,21 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
     return values
 
 
-def prove(
-    gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], activation: str = "swiglu"
-) -> Proof:
-    """Find the layout under which the region equals the operator (forward and gradients)."""
+def prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any]) -> Proof:
+    """Find the layout and activation under which the region equals the operator (forward and gradients)."""
     # innermost no-op hooks: a caller's saved_tensors_hooks must not see the proof's tensors
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        return _prove(gm, cand, ext, real, activation)
+        return _prove(gm, cand, ext, real)
 
 
-def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], activation: str) -> Proof:
+def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any]) -> Proof:
     for node in cand.inputs:
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
-            return Proof(None, "the backend was given fake inputs, so the region cannot be run to check it")
+            return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it")
     try:
         T = size_hint(ext.T)
     except Exception:  # an unbacked token count has no hint
-        return Proof(None, f"the token count {ext.T} has no concrete hint to check the region with")
+        return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with")
     region = region_module(gm, cand)
     gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
     values = _inputs(cand, ext, real, gen)
@@ -128,55 +127,58 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         try:
             y_region = region(*args)
         except Exception as exc:  # the region's own code failed on fresh inputs
-            return Proof(None, f"running the region on random inputs failed: {type(exc).__name__}: {exc}")
+            return Proof(None, reason=f"running the region on random inputs failed: {type(exc).__name__}: {exc}")
     saved_before = meter.total
 
     x2d = by_node[ext.x].reshape(T, ext.d)
     w2d = by_node[ext.weights].reshape(T, ext.K)
     ids2d = by_node[ext.ids].reshape(T, ext.K)
     if y_region.numel() != T * ext.d:
-        return Proof(None, f"the region's output has {y_region.numel()} elements, expected T*d = {T * ext.d}")
+        return Proof(None, reason=f"the region's output has {y_region.numel()} elements, expected T*d = {T * ext.d}")
 
     def eager(fn, *a):
         return fn(*a)
 
     best: Optional[Proof] = None
     with torch.enable_grad():
+        stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
         for layout in ext.layouts:
-            stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
-            w_gate_up, w_down = layout.build(ext.roles, stacked, eager)
-            if w_gate_up.shape[1] != 2 * w_down.shape[2]:
-                continue
-            y_ref = moe_ffn_reference(x2d, ids2d, w2d, w_gate_up, w_down, activation)
-            if not bool(y_ref.detach().abs().amax() > 0):
-                return Proof(None, "the operator's output is zero on the check's inputs (zero expert weights?): "
-                                   "nothing would be proven", saved_bytes_before=saved_before)
-            err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
-            if err > tol:
-                if best is None or (best.forward_error or 1e9) > err:
-                    best = Proof(None, f"the region's output differs from the MoE operator (relative error {err:.2g} "
-                                       f"> {tol:g} for every layout tried)", forward_error=err)
-                continue
-            names = list(leaves)
-            g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
-            try:
-                grads_region = torch.autograd.grad(
-                    y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
-                    retain_graph=True, allow_unused=True,
-                )
-            except RuntimeError as exc:
-                return Proof(None, f"the region's output is not differentiable: {exc}", forward_error=err)
-            grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
-            errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
-            bad = {n: e for n, e in errors.items() if e > 2 * tol}
-            if bad:
-                worst = max(bad, key=bad.get)
-                best = Proof(None, f"outputs agree but the gradient of {worst} differs (relative error "
-                                   f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err, gradient_errors=errors)
-                continue
-            ext.h = int(w_down.shape[2])
-            return Proof(layout, None, err, errors, saved_before)
+            experts = layout.experts(ext.roles, stacked)
+            for act in ext.activations:
+                if act.gated != (layout.up is not None):
+                    continue
+                y_ref = moe_ffn_reference(x2d, ids2d, w2d, experts, act)
+                if not bool(y_ref.detach().abs().amax() > 0):
+                    return Proof(None, reason="the operator's output is zero on the check's inputs (zero expert "
+                                              "weights?): nothing would be proven", saved_bytes_before=saved_before)
+                err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
+                if err > tol:
+                    if best is None or (best.forward_error or 1e9) > err:
+                        best = Proof(None, reason=f"the region's output differs from the MoE operator (relative "
+                                                  f"error {err:.2g} > {tol:g} for every layout and activation tried)",
+                                     forward_error=err)
+                    continue
+                names = list(leaves)
+                g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
+                try:
+                    grads_region = torch.autograd.grad(
+                        y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
+                        retain_graph=True, allow_unused=True,
+                    )
+                except RuntimeError as exc:
+                    return Proof(None, reason=f"the region's output is not differentiable: {exc}", forward_error=err)
+                grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
+                errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
+                bad = {n: e for n, e in errors.items() if e > 2 * tol}
+                if bad:
+                    worst = max(bad, key=bad.get)
+                    best = Proof(None, reason=f"outputs agree but the gradient of {worst} differs (relative error "
+                                              f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err,
+                                 gradient_errors=errors)
+                    continue
+                ext.h = int(experts.gate.shape[1])
+                return Proof(layout, act, None, err, errors, saved_before)
     if best is None:
-        best = Proof(None, "no layout hypothesis had consistent shapes")
+        best = Proof(None, reason="no layout hypothesis had consistent shapes")
     best.saved_bytes_before = saved_before
     return best

@@ -1,16 +1,14 @@
 """Step 5: replace a proven region by one ``torch.ops.moeblaze.moe_ffn`` call.
 
-Inserted before the region's output: reshapes of x/ids/weights to 2-D, the construction of the
-operator's weights from the expert parameters (views where the layout allows; a stack for
-``ModuleList`` experts), the operator, ``getitem 0``, and a reshape/cast back to the output's shape
-and dtype. Readers of the old output read the new one; the region's nodes and the runtime asserts
+Inserted before the region's output: reshapes of x/ids/weights to 2-D, the operator (reading the
+expert parameters in place: the layout ints say where each role lives, no stack or copy even for
+``ModuleList`` experts), ``getitem 0``, and a reshape/cast back to the output's shape and dtype. Readers of the old output read the new one; the region's nodes and the runtime asserts
 that guarded its data-dependent sizes are erased. Every inserted node gets ``example_value`` from
 the fake tensors and the old output's stack trace.
 """
 from __future__ import annotations
 
 import operator
-
 
 import torch
 import torch.fx as fx
@@ -29,7 +27,7 @@ def _as_2d(node: fx.Node, cols: int, call) -> fx.Node:
 
 
 def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout, activation: str,
-            checkpoint: str) -> fx.Node:
+            checkpoint: str, chunk_tokens: int) -> fx.Node:
     graph = gm.graph
     y = cand.output
     y_val = example_value(y)
@@ -52,9 +50,9 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         x2d = _as_2d(ext.x, ext.d, call)
         ids2d = _as_2d(ext.ids, ext.K, call)
         w2d = _as_2d(ext.weights, ext.K, call)
-        values = [call(torch.stack, list(role.params)) if role.stacked else role.params[0] for role in ext.roles]
-        w_gate_up, w_down = layout.build(ext.roles, values, call)
-        op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, w_gate_up, w_down, activation, checkpoint)
+        params, layout_ints = layout.operator_args(ext.roles)
+        op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, params, layout_ints, activation, checkpoint,
+                  chunk_tokens)
         out = call(operator.getitem, op, 0)
         if tuple(y_val.shape) != tuple(example_value(out).shape):
             out = call(torch.Tensor.view_as, out, ext.x) if tuple(y_val.shape) == tuple(x_val.shape) else \

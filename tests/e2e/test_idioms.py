@@ -60,7 +60,7 @@ def test_sigmoid_group_limited_router_grouped_mm_scatter_add(shared):
     model = DeepSeekStyleMoE(shared=shared).bfloat16()
     assert run_eager_and_compiled(model, (_x(),), dtype=torch.bfloat16) == {"rewritten": 1}
     (record,) = moeblaze_fx.last_report()
-    assert record.layout == "gate|up = cat(w1, w3), down = w2"
+    assert record.layout == "gate = w1, up = w3, down = w2; activation swiglu"
 
 
 class TestGolden(expecttest.TestCase):
@@ -100,8 +100,7 @@ sum_2 = .sum(w, -1, keepdim=True)
 w_1 = operator.truediv(w, sum_2)
 flatten_1 = .flatten(w_1)
 reshape = torch.reshape(flatten_1, (-1, 2))
-cat = torch.cat([w1, w3], 1)
-moe_ffn_default = moeblaze.moe_ffn.default(l_x, ids, reshape, cat, w2, 'swiglu', 'activations')
+moe_ffn_default = moeblaze.moe_ffn.default(l_x, ids, reshape, [w1, w3, w2], [8, 0, 1, 0, 512, 32, 1, 16, 32, 1, 1, 0, 512, 32, 1, 16, 32, 2, 1, 0, 512, 16, 1, 32, 16, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0], 'swiglu', 'activations', 6710886)
 getitem_9 = operator.getitem(moe_ffn_default, 0)
 linear_1 = torch.linear(l_x, shared_gate.weight, None)
 sigmoid_1 = torch.sigmoid(linear_1)

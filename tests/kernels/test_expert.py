@@ -1,57 +1,99 @@
 """Fused expert kernels (moeblaze_fx/kernels/expert_fwd.py, expert_bwd.py) against the references.
 
-CPU: the kernels run under the Triton interpreter (tests/conftest.py) in float32 with the interpreter's
-tiny tiles (16 rows), on shapes chosen to hit every ragged path; forward output, saved pre-activations and
-all four gradients are compared with ``moe_ffn_reference`` differentiated by autograd in float64.
+CPU: the kernels run under the Triton interpreter (tests/conftest.py) in float32 (one float16 case: the
+interpreter's bf16 dot is wrong) with the interpreter's tiny tiles (16 rows), on shapes chosen to hit every
+ragged path. The forward output and every gradient (dx, routing weights, the weight gradients written
+through the gradient tables into storage of the parameters' own layout, the bias gradients) are compared
+with ``moe_ffn_reference`` differentiated by autograd in float64.
 GPU (``cuda`` marker): bf16 against the same reference in float32, relative error <= 1e-2, and two runs
 bitwise identical.
 """
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
-import torch.nn.functional as F
 
-from moeblaze_fx.kernels import autotune
+from moeblaze_fx.kernels import autotune, expert_bwd
 from moeblaze_fx.kernels.expert_bwd import expert_backward
-from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m
+from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m, table_align
 from moeblaze_fx.kernels.reference import (
-    DispatchPlan,
+    ExpertParams,
+    activation_forward,
     dispatch_reference,
     moe_ffn_forward_torch,
     moe_ffn_reference,
+    parse_activation,
+    split_gate_up,
 )
+from moeblaze_fx.kernels.tables import ExpertTables, WeightTable, table_of, table_of_list
 
 POLICIES = ("activations", "recompute")
+# limit 0.6: with unit-variance pre-activations both clamps of swiglu_oai are active on many elements
+ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai(alpha=1.702,limit=0.6)", "silu", "gelu", "relu")
+
+# ---------------------------------------------------------------------------------------------
+# Weight layouts: how a model stores its experts, and the [E, r, c] views (or lists of E [r, c]
+# tensors) of each role that the tables are built from.
+# ---------------------------------------------------------------------------------------------
+LAYOUTS = {
+    "dense": "one contiguous [E, r, c] tensor per role",
+    "transposed": "[E, c, r] storage handed over as .transpose(1, 2) views",
+    "hf_fused": "Hugging Face's fused [E, 2h, d] gate_up, split with split_gate_up",
+    "interleaved": "gate/up interleaved rows of one [E, 2h, d] tensor: w[:, 0::2], w[:, 1::2]",
+    "list": "E separate 2-D tensors per role (a ModuleList of nn.Linear), tables from table_of_list",
+}
+GATED_ONLY = ("hf_fused", "interleaved")
 
 
-class _KernelMoE(torch.autograd.Function):
-    """The expert kernels behind autograd, saving what the operator saves (x, plan, weights, A|B)."""
+def make_storage(layout: str, gated: bool, E: int, d: int, h: int, g: torch.Generator) -> list[torch.Tensor]:
+    """The parameter tensors as stored, float32 on the CPU (scaled so that activations stay O(1))."""
+    def rnd(*shape, fan_in):
+        return torch.randn(*shape, generator=g) / fan_in ** 0.5
 
-    @staticmethod
-    def forward(ctx, x, ids, weights, w_gate_up, w_down, policy):
-        plan = dispatch_reference(ids, w_gate_up.shape[0], block_m=plan_block_m())
-        y, preact = expert_forward(x, weights, w_gate_up, w_down, plan, "swiglu", policy == "activations")
-        ctx.save_for_backward(x, weights, w_gate_up, w_down, preact, *plan)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weights, w_gate_up, w_down, preact, *plan = ctx.saved_tensors
-        dx, dw, dgu, dd = expert_backward(grad_y, x, weights, w_gate_up, w_down, preact, DispatchPlan(*plan), "swiglu")
-        return dx, None, dw, dgu, dd, None
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite values in the kernel output"
-    denom = ref.norm()
-    return float((out - ref).norm() / denom) if denom > 0 else float(out.norm())
+    if layout == "dense":
+        return [rnd(E, h, d, fan_in=d)] + ([rnd(E, h, d, fan_in=d)] if gated else []) + [rnd(E, d, h, fan_in=h)]
+    if layout == "transposed":
+        return [rnd(E, d, h, fan_in=d)] + ([rnd(E, d, h, fan_in=d)] if gated else []) + [rnd(E, h, d, fan_in=h)]
+    if layout in GATED_ONLY:
+        assert gated, f"layout {layout!r} needs a gated activation"
+        return [rnd(E, 2 * h, d, fan_in=d), rnd(E, d, h, fan_in=h)]
+    if layout == "list":
+        return ([rnd(h, d, fan_in=d) for _ in range(E)] + ([rnd(h, d, fan_in=d) for _ in range(E)] if gated else [])
+                + [rnd(d, h, fan_in=h) for _ in range(E)])
+    raise ValueError(layout)
 
 
-def make_case(T, d, h, E, K, *, device="cpu", dtype=torch.float32, ids_mode="random", seed=0,
-              transposed_gate_up=False, weights_dtype=None):
+def role_views(layout: str, st: list[torch.Tensor], gated: bool, E: int) -> tuple:
+    """(gate, up or None, down): [E, r, c] views of the storage, or lists of E [r, c] tensors."""
+    if layout == "dense":
+        return st[0], st[1] if gated else None, st[-1]
+    if layout == "transposed":
+        return st[0].transpose(1, 2), st[1].transpose(1, 2) if gated else None, st[-1].transpose(1, 2)
+    if layout == "hf_fused":
+        return (*split_gate_up(st[0]), st[1])
+    if layout == "interleaved":
+        return st[0][:, 0::2], st[0][:, 1::2], st[1]
+    if layout == "list":
+        return st[:E], st[E:2 * E] if gated else None, st[-E:]
+    raise ValueError(layout)
+
+
+def tables(views) -> ExpertTables:
+    def table(v):
+        return None if v is None else table_of_list(v) if isinstance(v, list) else table_of(v)
+    return ExpertTables(*(table(v) for v in views))
+
+
+def dense(views) -> list:
+    return [None if v is None else torch.stack(v) if isinstance(v, list) else v for v in views]
+
+
+def make_case(T, d, h, E, K, *, act="swiglu", bias=False, layout="dense", device="cpu", dtype=torch.float32,
+              ids_mode="random", seed=0, weights_dtype=None):
     """Random inputs; ids_mode shapes the routing (each mode documents the path it exercises)."""
+    gated = parse_activation(act).gated
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d, generator=g)
     ids = torch.randint(0, E, (T, K), generator=g)
@@ -67,66 +109,137 @@ def make_case(T, d, h, E, K, *, device="cpu", dtype=torch.float32, ids_mode="ran
     elif ids_mode == "all_experts":  # K == E: every token visits every expert
         ids = torch.stack([torch.randperm(E, generator=g) for _ in range(T)])
     weights = torch.rand(T, K, generator=g) + 0.1
-    w_gate_up = torch.randn(E, 2 * h, d, generator=g) / d ** 0.5
-    w_down = torch.randn(E, d, h, generator=g) / h ** 0.5
+    storage = make_storage(layout, gated, E, d, h, g)
+    biases = ([0.5 * torch.randn(E, h, generator=g), 0.5 * torch.randn(E, h, generator=g) if gated else None,
+               0.5 * torch.randn(E, d, generator=g)] if bias else [None, None, None])
     grad_y = torch.randn(T, d, generator=g)
-    wdt = weights_dtype or dtype
-    out = dict(x=x.to(device, dtype), ids=ids.to(device), weights=weights.to(device, wdt),
-               w_gate_up=w_gate_up.to(device, dtype), w_down=w_down.to(device, dtype), grad_y=grad_y.to(device, dtype))
-    if transposed_gate_up:  # stored [E, d, 2h], handed over as the [E, 2h, d] view
-        out["w_gate_up"] = out["w_gate_up"].transpose(1, 2).contiguous().transpose(1, 2)
-    return out
+
+    def dev(t, dt=dtype):
+        return None if t is None else t.to(device, dt)
+    return dict(x=dev(x), ids=ids.to(device), weights=dev(weights, weights_dtype or dtype), grad_y=dev(grad_y),
+                storage=[dev(s) for s in storage], biases=[dev(b) for b in biases], act=act, layout=layout, E=E)
 
 
-def run_kernels(case, policy):
-    leaves = {k: case[k].detach().clone().requires_grad_(True) for k in ("x", "weights", "w_gate_up", "w_down")}
-    y = _KernelMoE.apply(leaves["x"], case["ids"], leaves["weights"], leaves["w_gate_up"], leaves["w_down"], policy)
-    y.backward(case["grad_y"])
-    return y.detach(), {k: v.grad for k, v in leaves.items()}
+def grad_storage_like(case, dtype=None, fill=float("nan")) -> list[torch.Tensor]:
+    return [torch.full_like(s, fill, dtype=dtype or s.dtype) for s in case["storage"]]
 
 
-def run_reference(case, dtype):
-    leaves = {k: case[k].detach().to(dtype).requires_grad_(True) for k in ("x", "weights", "w_gate_up", "w_down")}
-    y = moe_ffn_reference(leaves["x"], case["ids"], leaves["weights"], leaves["w_gate_up"], leaves["w_down"])
+def run_kernels(case, policy, *, grads=None, accumulate=False):
+    """Forward + backward through the kernels; weight gradients land in ``grads`` (storage like the
+    parameters', NaN-filled by default so that an unwritten element shows)."""
+    act = parse_activation(case["act"])
+    E, layout = case["E"], case["layout"]
+    w = tables(role_views(layout, case["storage"], act.gated, E))
+    plan = dispatch_reference(case["ids"], E, block_m=plan_block_m())
+    y, preact = expert_forward(case["x"], case["weights"], w, plan, act, policy == "activations", *case["biases"])
+    grads = grad_storage_like(case) if grads is None else grads
+    gw = tables(role_views(layout, grads, act.gated, E))
+    dx, dweights, *dbias = expert_backward(case["grad_y"], case["x"], case["weights"], w, preact, plan, act,
+                                           *case["biases"], grads=gw, accumulate=accumulate)
+    return y, dict(x=dx, weights=dweights, storage=grads, biases=dbias, preact=preact)
+
+
+def run_reference(case, dtype=torch.float64):
+    act = parse_activation(case["act"])
+
+    def leaf(t):
+        return None if t is None else t.detach().to(dtype).requires_grad_(True)
+    x, weights = leaf(case["x"]), leaf(case["weights"])
+    storage = [leaf(s) for s in case["storage"]]
+    biases = [leaf(b) for b in case["biases"]]
+    p = ExpertParams(*dense(role_views(case["layout"], storage, act.gated, case["E"])), *biases)
+    y = moe_ffn_reference(x, case["ids"], weights, p, act)
     y.backward(case["grad_y"].to(dtype))
-    return y.detach(), {k: v.grad for k, v in leaves.items()}
+
+    def grad(t):
+        return None if t is None else t.grad if t.grad is not None else torch.zeros_like(t)
+    return y.detach(), dict(x=grad(x), weights=grad(weights), storage=[grad(s) for s in storage],
+                            biases=[grad(b) for b in biases])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values in the kernel output"
+    denom = ref.norm()
+    return float((out - ref).norm() / denom) if denom > 0 else float(out.norm())
 
 
 def dweights_scale(case) -> torch.Tensor:
-    """sum_n |dH'_n| * |H_n| per pair, in float64: the size of the summands of dweights = <dH', H>.
+    """sum_n |dH'_n| |H_n| + sum_j |dy_j| |b_down_j| per pair, in float64: the size of the summands of
+    dweights = <dH', H> + <dy, b_down>.
 
     dweights is a dot product that can cancel: with A|B rounded to bf16 (as the operator saves them) its error
     is bounded by eps * this scale, not by eps * |dweights|; with a handful of pairs (T = 1) ||dweights|| alone
     is no yardstick (the bf16 torch path misses by 9% there). Routed pairs only; unrouted pairs get 0."""
-    x, gy = case["x"].double(), case["grad_y"].double()
-    wgu, wd, ids = case["w_gate_up"].double(), case["w_down"].double(), case["ids"]
-    E, two_h, _ = wgu.shape
-    h = two_h // 2
+    act = parse_activation(case["act"])
+    x, gy, ids = case["x"].double(), case["grad_y"].double(), case["ids"]
+    p = ExpertParams(*[None if t is None else t.double() for t in
+                       dense(role_views(case["layout"], case["storage"], act.gated, case["E"])) + case["biases"]])
     scale = torch.zeros(ids.shape, dtype=torch.float64, device=x.device)
-    for e in range(E):
+    for e in range(case["E"]):
         t, k = torch.where(ids == e)
-        pre = x[t] @ wgu[e].t()
-        hid = F.silu(pre[:, :h]) * pre[:, h:]
-        scale[t, k] = ((gy[t] @ wd[e]).abs() * hid.abs()).sum(1)
+        gate = x[t] @ p.gate[e].t() + (0 if p.gate_bias is None else p.gate_bias[e])
+        up = None if p.up is None else x[t] @ p.up[e].t() + (0 if p.up_bias is None else p.up_bias[e])
+        hid = activation_forward(act, gate, up)
+        s = ((gy[t] @ p.down[e]).abs() * hid.abs()).sum(1)
+        if p.down_bias is not None:
+            s = s + (gy[t].abs() * p.down_bias[e].abs()).sum(1)
+        scale[t, k] = s
     return scale
 
 
-def check_against_reference(case, policy, tol, ref_dtype, tol_overrides=None):
-    y, grads = run_kernels(case, policy)
-    y_ref, grads_ref = run_reference(case, ref_dtype)
-    errs = {"y": rel_err(y, y_ref)}
-    errs.update({f"d{k}": rel_err(grads[k], grads_ref[k]) for k in grads})
+def check_against_reference(case, policy, tol, ref_dtype=torch.float64, tol_overrides=None, *, grads=None,
+                            accumulate=False):
+    """Run the kernels and the reference; every error <= tol. With ``grads`` given and ``accumulate``, the
+    weight gradients must come back as grads_before + the reference gradient."""
+    before = None if grads is None else [g.clone() for g in grads]
+    y, out = run_kernels(case, policy, grads=grads, accumulate=accumulate)
+    y_ref, ref = run_reference(case, ref_dtype)
+    errs = {"y": rel_err(y, y_ref), "dx": rel_err(out["x"], ref["x"])}
+    for i, (got, want) in enumerate(zip(out["storage"], ref["storage"])):
+        if accumulate:
+            got = got.double() - before[i].double()
+        errs[f"dW[{i}]"] = rel_err(got, want)
+    for name, got, want in zip(("d_gate_bias", "d_up_bias", "d_down_bias"), out["biases"], ref["biases"]):
+        assert (got is None) == (want is None), f"{name}: expected {'None' if want is None else 'a tensor'}"
+        if got is not None:
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            errs[name] = rel_err(got, want)
     # dweights against the size of its summands (see dweights_scale); never looser than the plain check by
     # more than that ratio, and still O(1) for a wrong kernel.
     scale = dweights_scale(case).norm()
-    if scale > 0:
-        errs["dweights"] = float((grads["weights"].double() - grads_ref["weights"].double()).norm() / scale)
-    assert y.dtype == case["x"].dtype and grads["weights"].dtype == case["weights"].dtype
-    assert grads["w_gate_up"].stride() == case["w_gate_up"].stride()
+    errs["dweights"] = (float((out["weights"].double() - ref["weights"].double()).norm() / scale) if scale > 0
+                        else rel_err(out["weights"], ref["weights"]))
+    assert y.dtype == case["x"].dtype and out["weights"].dtype == case["weights"].dtype
     tols = {k: (tol_overrides or {}).get(k, tol) for k in errs}
     bad = {k: v for k, v in errs.items() if not v <= tols[k]}
     assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
-    return y, grads
+    return y, out
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a.split("(")[0])
+def test_activations_and_biases_match_reference(act, bias, policy):
+    # T=21, d=24, h=20: ragged row tiles and columns on every kernel; expert 1 empty.
+    case = make_case(21, 24, 20, 4, 2, act=act, bias=bias, ids_mode="empty_expert", seed=1)
+    check_against_reference(case, policy, tol=1e-5)
+
+
+# (layout, activation, bias): every gated layout with all biases; the plain activations' layouts without
+LAYOUT_CASES = [(lay, "swiglu_oai(alpha=1.702,limit=0.6)" if lay == "hf_fused" else "swiglu", True) for lay in LAYOUTS] \
+    + [("transposed", "gelu", False), ("list", "relu", True)]
+
+
+@pytest.mark.parametrize("layout,act,bias", LAYOUT_CASES, ids=[f"{c[0]}-{c[1].split('(')[0]}" for c in LAYOUT_CASES])
+def test_weight_layouts_read_and_written_in_place(layout, act, bias):
+    # Weights read through tables of views of the stored tensors; gradients written through tables of the
+    # same views into storage of the same layout, compared with autograd's gradient of that storage.
+    case = make_case(19, 24, 20, 3, 2, act=act, bias=bias, layout=layout, ids_mode="sentinel", seed=2)
+    check_against_reference(case, "activations", tol=1e-5)
 
 
 # (T, d, h, E, K, ids_mode, why)
@@ -141,53 +254,91 @@ CPU_CASES = [
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,why", CPU_CASES, ids=[c[5] + f"-T{c[0]}" for c in CPU_CASES])
-def test_expert_kernels_fp32_match_reference(T, d, h, E, K, ids_mode, why, policy):
+def test_routing_shapes_match_reference(T, d, h, E, K, ids_mode, why, policy):
     case = make_case(T, d, h, E, K, ids_mode=ids_mode)
-    check_against_reference(case, policy, tol=1e-5, ref_dtype=torch.float64)
+    check_against_reference(case, policy, tol=1e-5)
 
 
-def test_preact_matches_torch_path_in_slot_order():
-    # The saved A|B must be the torch path's, row for row, in slot order (routed slots only: the rest
-    # are never read).
-    case = make_case(37, 40, 24, 5, 3, ids_mode="sentinel", seed=3)
+@pytest.mark.parametrize("act,bias", [("swiglu", True), ("gelu", True)], ids=["gated", "plain"])
+def test_preact_matches_torch_path_in_slot_order(act, bias):
+    # The saved pre-activations (biases included; gate|up or gate alone) must be the torch path's, row for
+    # row, in slot order (routed slots only: the rest are never read).
+    case = make_case(37, 40, 24, 5, 3, act=act, bias=bias, ids_mode="sentinel", seed=3)
+    a = parse_activation(act)
+    views = role_views("dense", case["storage"], a.gated, 5)
     plan = dispatch_reference(case["ids"], 5, block_m=plan_block_m())
-    _, preact = expert_forward(case["x"], case["weights"], case["w_gate_up"], case["w_down"], plan, "swiglu", True)
-    _, preact_ref, plan_ref = moe_ffn_forward_torch(case["x"], case["ids"], case["weights"], case["w_gate_up"],
-                                                    case["w_down"], "swiglu", True)
+    _, preact = expert_forward(case["x"], case["weights"], tables(views), plan, a, True, *case["biases"])
+    _, preact_ref, plan_ref = moe_ffn_forward_torch(case["x"], case["ids"], case["weights"],
+                                                    ExpertParams(*views, *case["biases"]), a, True)
     routed = int(plan.offsets[-1])
-    assert preact.shape == (37 * 3, 48)
+    assert preact.shape == (37 * 3, 48 if a.gated else 24)
     assert torch.equal(plan.token_index, plan_ref.token_index)
     assert rel_err(preact[:routed], preact_ref[:routed]) < 1e-6
-    _, empty = expert_forward(case["x"], case["weights"], case["w_gate_up"], case["w_down"], plan, "swiglu", False)
+    _, empty = expert_forward(case["x"], case["weights"], tables(views), plan, a, False, *case["biases"])
     assert empty.shape == (0,)
 
 
+def test_accumulate_adds_onto_existing_gradients(monkeypatch):
+    # accumulate=True: C = C_before + this call's contribution; an expert with no slots keeps C_before bit for
+    # bit. Autotuning forced on: the tuning launch writes a scratch buffer, never C (its configuration is
+    # then the interpreter's fixed one, so only the bookkeeping is exercised here).
+    monkeypatch.setattr(autotune, "autotuning", lambda: True)
+    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
+    case = make_case(23, 24, 20, 4, 2, act="geglu", bias=True, ids_mode="empty_expert", seed=4)
+    before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(9)) for s in case["storage"]]
+    grads = [b.clone() for b in before]
+    check_against_reference(case, "recompute", tol=1e-5, grads=grads, accumulate=True)
+    for b, g in zip(before, grads):  # storage: gate [E, h, d], up, down; expert 1 has no token
+        assert torch.equal(g[1], b[1])
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+def test_fp16_with_fp32_gradient_tables(accumulate):
+    # x, weights in float16; weight gradients written (or added) into float32 storage in the layout of the
+    # (interleaved) parameter; the fp32 reference gradient is what they must match.
+    case = make_case(19, 32, 16, 3, 2, act="swiglu", bias=True, layout="interleaved", dtype=torch.float16, seed=7)
+    grads = [torch.randn(s.shape, generator=torch.Generator().manual_seed(3)) if accumulate
+             else torch.full(s.shape, float("nan")) for s in case["storage"]]
+    _, out = check_against_reference(case, "recompute", tol=1e-2, grads=grads, accumulate=accumulate)
+    assert all(g.dtype == torch.float32 for g in out["storage"])
+
+
 def test_any_strides_and_routing_weight_dtype():
-    # w_gate_up as a transposed storage view, routing weights in float16 while x is float32.
-    case = make_case(21, 24, 20, 3, 2, transposed_gate_up=True, weights_dtype=torch.float16, seed=5)
-    assert not case["w_gate_up"].is_contiguous()
+    # Transposed weight views, routing weights in float16 while x is float32.
+    case = make_case(21, 24, 20, 3, 2, layout="transposed", weights_dtype=torch.float16, seed=5)
     # dweights comes back in float16: its rounding (2**-11 relative) bounds the error.
-    check_against_reference(case, "activations", tol=1e-5, ref_dtype=torch.float64, tol_overrides={"dweights": 1e-3})
-
-
-def test_fp16_under_interpreter():
-    case = make_case(19, 32, 16, 3, 2, dtype=torch.float16, seed=7)
-    check_against_reference(case, "recompute", tol=1e-2, ref_dtype=torch.float64)
+    check_against_reference(case, "activations", tol=1e-5, tol_overrides={"dweights": 1e-3})
 
 
 def test_empty_batch():
-    # T = 0: no launch, empty outputs, zero weight gradients.
-    case = make_case(0, 16, 16, 3, 2)
-    y, grads = run_kernels(case, "activations")
-    assert y.shape == (0, 16)
-    assert torch.count_nonzero(grads["w_gate_up"]) == 0 and torch.count_nonzero(grads["w_down"]) == 0
+    # T = 0: no GEMM launch, empty outputs; weight gradients zero (or untouched when accumulating); bias
+    # gradients zero.
+    case = make_case(0, 16, 16, 3, 2, bias=True)
+    y, out = run_kernels(case, "activations")
+    assert y.shape == (0, 16) and out["x"].shape == (0, 16) and out["weights"].shape == (0, 2)
+    assert all(torch.count_nonzero(g) == 0 for g in out["storage"])
+    assert all(torch.count_nonzero(b) == 0 for b in out["biases"])
+    before = [torch.ones_like(s) for s in case["storage"]]
+    _, out = run_kernels(case, "recompute", grads=[b.clone() for b in before], accumulate=True)
+    assert all(torch.equal(g, b) for g, b in zip(out["storage"], before))
+
+
+def test_zero_width_experts_with_down_bias():
+    # h = 0: every expert is the constant b_down[e]; y and the routing-weight gradient come from the bias alone.
+    case = make_case(11, 16, 0, 3, 2, bias=True, ids_mode="sentinel", seed=8)
+    y, out = run_kernels(case, "activations")
+    y_ref, ref = run_reference(case)
+    assert rel_err(y, y_ref) < 1e-6 and rel_err(out["weights"], ref["weights"]) < 1e-6
+    assert rel_err(out["biases"][2], ref["biases"][2]) < 1e-6 and torch.count_nonzero(out["x"]) == 0
 
 
 def test_deterministic_under_interpreter():
-    case = make_case(37, 40, 24, 5, 3, ids_mode="sentinel", seed=11)
-    y1, g1 = run_kernels(case, "recompute")
-    y2, g2 = run_kernels(case, "recompute")
-    assert torch.equal(y1, y2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+    case = make_case(37, 40, 24, 5, 3, act="swiglu_oai(alpha=1.702,limit=0.6)", bias=True, ids_mode="sentinel",
+                     seed=11)
+    y1, o1 = run_kernels(case, "recompute")
+    y2, o2 = run_kernels(case, "recompute")
+    assert torch.equal(y1, y2) and torch.equal(o1["x"], o2["x"]) and torch.equal(o1["weights"], o2["weights"])
+    assert all(torch.equal(a, b) for a, b in zip(o1["storage"] + o1["biases"], o2["storage"] + o2["biases"]))
 
 
 def test_pinned_config(monkeypatch):
@@ -196,9 +347,22 @@ def test_pinned_config(monkeypatch):
     monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,split_n=2")
     assert plan_block_m() == 32
     case = make_case(45, 40, 36, 3, 2, ids_mode="empty_expert", seed=13)  # h=36: a half-empty second tile
-    check_against_reference(case, "activations", tol=1e-5, ref_dtype=torch.float64)
-    case = make_case(40, 32, 64, 3, 2, ids_mode="sentinel", seed=17)  # h a multiple of 2 x block_n
-    check_against_reference(case, "activations", tol=1e-5, ref_dtype=torch.float64)
+    check_against_reference(case, "activations", tol=1e-5)
+    case = make_case(40, 32, 64, 3, 2, act="relu", bias=True, ids_mode="sentinel", seed=17)  # h = 2 x 2 x block_n
+    check_against_reference(case, "activations", tol=1e-5)
+
+
+def test_table_align_is_the_largest_proven_power_of_two():
+    # The kernels' 16-byte loads rest on this hint: the tables' own `align` (bytes), lowered to a power of two
+    # dividing it, the minimum over the tables; a table without the field proves nothing (1).
+    fields = WeightTable._fields if "align" in WeightTable._fields else WeightTable._fields + ("align",)
+    Aligned = collections.namedtuple("Aligned", fields)
+    base = table_of(torch.empty(2, 4, 8))[:6]
+    assert table_align(Aligned(*base, 16)) == 16
+    assert table_align(Aligned(*base, 16), None, Aligned(*base, 12)) == 4
+    assert table_align(Aligned(*base, 2)) == 2
+    if "align" not in WeightTable._fields:
+        assert table_align(WeightTable(*base)) == 1
 
 
 @pytest.mark.parametrize("spec", ["block_m=12", "block_m", "blockm=16", "block_n=x", "split_n=3"])
@@ -211,40 +375,81 @@ def test_pinned_config_rejects_bad_specs(monkeypatch, spec):
 def test_plan_with_wrong_block_m_is_rejected():
     case = make_case(70, 16, 16, 2, 2)
     plan = dispatch_reference(case["ids"], 2, block_m=4 * plan_block_m())
+    w = tables(role_views("dense", case["storage"], True, 2))
     with pytest.raises(ValueError, match="plan_block_m"):
-        expert_forward(case["x"], case["weights"], case["w_gate_up"], case["w_down"], plan, "swiglu", True)
+        expert_forward(case["x"], case["weights"], w, plan, "swiglu", True)
 
 
 def test_bad_inputs_raise_clear_errors():
-    case = make_case(8, 16, 16, 2, 2)
+    case = make_case(8, 16, 12, 2, 2, bias=True)
+    x, weights = case["x"], case["weights"]
+    gate, up, down = case["storage"]
+    gb, ub, db = case["biases"]
     plan = dispatch_reference(case["ids"], 2, block_m=plan_block_m())
-    with pytest.raises(ValueError, match="activation"):
-        expert_forward(case["x"], case["weights"], case["w_gate_up"], case["w_down"], plan, "gelu", True)
+    w = ExpertTables(table_of(gate), table_of(up), table_of(down))
+
+    def fwd(w=w, act="swiglu", biases=(gb, ub, db)):
+        return expert_forward(x, weights, w, plan, act, True, *biases)
+    with pytest.raises(ValueError, match="unknown activation"):
+        fwd(act="swish")
+    with pytest.raises(ValueError, match="needs an up table"):
+        fwd(w=w._replace(up=None), biases=(gb, None, db))
+    with pytest.raises(ValueError, match="not gated"):
+        fwd(act="relu", biases=(gb, None, db))
     with pytest.raises(TypeError, match="dtype"):
-        expert_forward(case["x"], case["weights"], case["w_gate_up"].double(), case["w_down"], plan, "swiglu", True)
-    with pytest.raises(ValueError, match="w_down"):
-        expert_forward(case["x"], case["weights"], case["w_gate_up"], case["w_down"][:, :, :8], plan, "swiglu", True)
+        fwd(w=w._replace(gate=table_of(gate.double())))
+    with pytest.raises(ValueError, match="down table"):
+        fwd(w=w._replace(down=table_of(down[:, :, :8])))
+    with pytest.raises(ValueError, match="gate table"):
+        fwd(w=w._replace(gate=table_of(gate[:, :, :8])))
+    with pytest.raises(ValueError, match="E=2"):
+        fwd(w=w._replace(up=table_of(torch.cat([up, up]))))
+    with pytest.raises(ValueError, match="up_bias"):
+        fwd(biases=(gb, ub[:, :5], db))
+    with pytest.raises(TypeError, match="down_bias"):
+        fwd(biases=(gb, ub, db.double()))
+    with pytest.raises(ValueError, match="up_bias given"):
+        fwd(w=w._replace(up=None), act="silu", biases=(None, ub, None))
+    y, preact = fwd()
+    grads = ExpertTables(table_of(torch.empty_like(gate)), table_of(torch.empty_like(up)), table_of(torch.empty_like(down)))
+
+    def bwd(preact=preact, grads=grads):
+        return expert_backward(case["grad_y"], x, weights, w, preact, plan, "swiglu", gb, ub, db, grads=grads)
+    with pytest.raises(ValueError, match="preact"):
+        bwd(preact=preact[:, :12])
+    with pytest.raises(ValueError, match="grads.down"):
+        bwd(grads=grads._replace(down=table_of(torch.empty(2, 16, 8))))
+    with pytest.raises(TypeError, match="grads.gate"):
+        bwd(grads=grads._replace(gate=table_of(torch.empty_like(gate, dtype=torch.float16))))
+    with pytest.raises(ValueError, match="grads.up"):
+        bwd(grads=grads._replace(up=None))
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU: bf16 against the float32 reference, determinism.
 # ---------------------------------------------------------------------------------------------
-# (T, d, h, E, K, ids_mode, why)
+# (T, d, h, E, K, ids_mode, act, bias, layout, why)
 CUDA_CASES = [
-    (1000, 320, 200, 8, 4, "empty_expert", "ragged tiles, d and h not multiples of 64, an empty expert"),
-    (513, 256, 512, 6, 2, "sentinel", "tile-multiple d, h (mask-free fast paths); unrouted pairs"),
-    (700, 128, 192, 4, 2, "one_expert", "one expert holds every token"),
-    (1, 64, 64, 3, 2, "random", "T = 1"),
+    (1000, 320, 200, 8, 4, "empty_expert", "swiglu", False, "dense", "ragged tiles, d and h not multiples of 64"),
+    (513, 256, 512, 6, 2, "sentinel", "swiglu", False, "hf_fused", "tile-multiple d, h (mask-free fast paths)"),
+    (700, 128, 192, 4, 2, "one_expert", "geglu", True, "transposed", "one expert holds every token"),
+    (600, 192, 256, 8, 2, "random", "swiglu_oai(alpha=1.702,limit=7.0)", True, "hf_fused", "gpt-oss activation"),
+    (600, 192, 256, 8, 2, "random", "relu", True, "list", "plain activation, ModuleList experts"),
+    (1, 64, 64, 3, 2, "random", "swiglu", False, "dense", "T = 1"),
 ]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("T,d,h,E,K,ids_mode,why", CUDA_CASES, ids=[c[5] + f"-T{c[0]}" for c in CUDA_CASES])
-def test_expert_kernels_bf16_cuda(T, d, h, E, K, ids_mode, why, policy):
-    case = make_case(T, d, h, E, K, device="cuda", dtype=torch.bfloat16, ids_mode=ids_mode, seed=T)
-    y1, g1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32)
-    y2, g2 = run_kernels(case, policy)
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,act,bias,layout,why", CUDA_CASES,
+                         ids=[f"{c[6].split('(')[0]}-{c[8]}-T{c[0]}" for c in CUDA_CASES])
+def test_expert_kernels_bf16_cuda(T, d, h, E, K, ids_mode, act, bias, layout, why, policy):
+    case = make_case(T, d, h, E, K, act=act, bias=bias, layout=layout, device="cuda", dtype=torch.bfloat16,
+                     ids_mode=ids_mode, seed=T)
+    y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32)
+    y2, o2 = run_kernels(case, policy)
     assert torch.equal(y1, y2), "forward is not bitwise deterministic"
-    for k in g1:
-        assert torch.equal(g1[k], g2[k]), f"gradient of {k} is not bitwise deterministic"
+    for k in ("x", "weights", "storage", "biases"):
+        a, b = (o1[k], o2[k]) if isinstance(o1[k], list) else ([o1[k]], [o2[k]])
+        assert all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a, b)), \
+            f"gradient of {k} is not bitwise deterministic"

@@ -1,0 +1,108 @@
+"""Token scaling of one MoE layer (router included), forward + backward, bf16, under "recompute":
+the issue-4 scale point (d, h, E, K) = (1024, 4096, 8, 2) at T = 2,097,152, then T grown until the
+step runs out of memory.
+
+    PYTHONPATH=. python3 benchmarks/scale_device.py OUTDIR [--tokens 2097152] [--max-tokens N] [--policy recompute]
+
+Per T: median step time of 3 (after 1 warm-up), peak memory above the step's start (parameters, their
+gradients' first allocation and the inputs are allocated before), TFLOP/s (18·T·K·d·h). Writes
+OUTDIR/scale.json and a markdown table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from moeblaze_fx.bench.layer import route
+from moeblaze_fx.ops import moe_ffn
+
+
+def step_fn(T, d, h, E, K, policy, dev, dt):
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, d, device=dev, dtype=dt, generator=g).requires_grad_()
+    gy = torch.randn(T, d, device=dev, dtype=dt, generator=g)
+    wr = (torch.randn(E, d, device=dev, generator=g) / d**0.5).to(dt).requires_grad_()
+    wgu = (torch.randn(E, 2 * h, d, device=dev, generator=g) / d**0.5).to(dt).requires_grad_()
+    wd = (torch.randn(E, d, h, device=dev, generator=g) / h**0.5).to(dt).requires_grad_()
+    leaves = [x, wr, wgu, wd]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        ids, w = route(x, wr, K)
+        y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=policy)
+        y.backward(gy)
+
+    return step, leaves
+
+
+def measure(T, d, h, E, K, policy, dev, dt):
+    step, leaves = step_fn(T, d, h, E, K, policy, dev, dt)
+    t0 = time.time()
+    step()  # warm-up (autotuning at the first call of a shape)
+    torch.cuda.synchronize()
+    first = time.time() - t0
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    peak = torch.cuda.max_memory_allocated() - start
+    ms = statistics.median(times)
+    return dict(T=T, ms=round(ms, 2), tflops=round(18 * T * K * d * h / ms / 1e9, 1), peak_gb=round(peak / 1e9, 2),
+                first_step_s=round(first, 1), status="ok")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--tokens", type=int, default=2_097_152)
+    p.add_argument("--max-tokens", type=int, default=1 << 26)
+    p.add_argument("--policy", default="recompute")
+    p.add_argument("--shape", default="1024,4096,8,2", help="d,h,E,K")
+    p.add_argument("--budget-s", type=float, default=240)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    d, h, E, K = (int(v) for v in args.shape.split(","))
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    T = args.tokens
+    began = time.time()
+    while T <= args.max_tokens and time.time() - began < args.budget_s:
+        try:
+            rows.append(measure(T, d, h, E, K, args.policy, dev, dt))
+        except torch.OutOfMemoryError as exc:
+            rows.append(dict(T=T, status="out of memory", error=str(exc).splitlines()[0][:200]))
+            break
+        finally:
+            torch.cuda.empty_cache()
+        print(rows[-1], flush=True)
+        T = T * 2 if T < args.tokens * 4 else T + args.tokens * 2
+    meta = dict(device=torch.cuda.get_device_name(), memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1),
+                torch=torch.__version__, commit=os.environ.get("MOEBLAZE_COMMIT", "unknown"), policy=args.policy,
+                shape=dict(d=d, h=h, E=E, K=K))
+    with open(os.path.join(args.out, "scale.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(json.dumps(meta))
+    print("| T | status | ms | TFLOP/s | peak GB |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['T']} | {r['status']} | {r.get('ms', '')} | {r.get('tflops', '')} | {r.get('peak_gb', '')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

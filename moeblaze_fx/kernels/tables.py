@@ -1,0 +1,91 @@
+"""Per-expert pointer tables: how the Triton kernels address expert weights without copying them.
+
+An expert weight of one role (gate, up or down) is E matrices of one shape and one pair of strides,
+wherever they live: slices of one ``[E, r, c]`` parameter (Hugging Face's fused ``gate_up_proj``, a
+transposed or interleaved view of it) or E separate ``nn.Linear`` weights of a ``ModuleList``. A
+:class:`WeightTable` holds the address of each expert's element ``[0, 0]`` plus the two strides; the
+kernels load ``ptrs[e]`` once per program and cast it to a pointer. Gradients are written through
+tables of the same form, so a weight gradient lands in the parameter's own layout with no copy.
+
+Tables of one ``[E, r, c]`` tensor are built on the device (an ``arange``; no host-to-device copy, so
+CUDA-graph capture works). Tables of separate tensors are a host-to-device copy of E addresses,
+cached by those addresses: the table's content is a function of the key, so a hit is always right.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from .reference import ExpertParams
+
+__all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "tables_of"]
+
+
+class WeightTable(NamedTuple):
+    """E matrices ``[rows, cols]``: element ``[i, j]`` of expert e at byte address
+    ``ptrs[e] + (i * stride_r + j * stride_c) * dtype.itemsize``."""
+
+    ptrs: Tensor  # [E] int64 byte addresses, on the kernels' device
+    rows: int
+    cols: int
+    stride_r: int  # elements
+    stride_c: int  # elements
+    dtype: torch.dtype
+    # bytes: a power of two <= 16 dividing every address in ptrs. A pointer loaded from a table carries
+    # no alignment the compiler can see; the kernels assert this much so weight tiles load 16 bytes at a time.
+    align: int = 1
+
+    @property
+    def num_experts(self) -> int:
+        return self.ptrs.numel()
+
+
+class ExpertTables(NamedTuple):
+    """The three expert weights as tables: gate/up ``[h, d]`` (``up`` None for a plain activation),
+    down ``[d, h]``."""
+
+    gate: WeightTable
+    up: WeightTable | None
+    down: WeightTable
+
+
+def table_of(w: Tensor) -> WeightTable:
+    """Table of the E matrices of an ``[E, r, c]`` tensor (any strides, views included)."""
+    if w.dim() != 3:
+        raise ValueError(f"table_of expects an [E, rows, cols] tensor, got shape {tuple(w.shape)}")
+    E, r, c = w.shape
+    ptrs = torch.arange(E, device=w.device, dtype=torch.int64) * (w.stride(0) * w.element_size()) + w.data_ptr()
+    align = math.gcd(16, w.data_ptr(), w.stride(0) * w.element_size() if E > 1 else 0)
+    return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, align)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_ptrs(addresses: tuple[int, ...], device: torch.device) -> Tensor:
+    return torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True) \
+        if device.type == "cuda" else torch.tensor(addresses, dtype=torch.int64, device=device)
+
+
+def table_of_list(ws: Sequence[Tensor]) -> WeightTable:
+    """Table of E separate ``[r, c]`` tensors of one shape, dtype, device and strides."""
+    if not ws:
+        raise ValueError("table_of_list needs at least one tensor")
+    first = ws[0]
+    for w in ws:
+        if w.dim() != 2 or w.shape != first.shape or w.stride() != first.stride() or w.dtype != first.dtype \
+                or w.device != first.device:
+            raise ValueError("table_of_list: every expert's matrix must share shape, strides, dtype and device; got "
+                             f"{[(tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in ws]}")
+    addresses = tuple(w.data_ptr() for w in ws)
+    ptrs = _cached_ptrs(addresses, first.device)
+    r, c = first.shape
+    return WeightTable(ptrs, r, c, first.stride(0), first.stride(1), first.dtype, math.gcd(16, *addresses))
+
+
+def tables_of(experts: ExpertParams) -> ExpertTables:
+    """Tables of dense ``[E, ...]`` expert weights (tests and benchmarks; the operator builds its own)."""
+    return ExpertTables(table_of(experts.gate), None if experts.up is None else table_of(experts.up),
+                        table_of(experts.down))

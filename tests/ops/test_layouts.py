@@ -1,0 +1,155 @@
+"""The operator over parameters as they are stored: fused, separate, transposed, interleaved and
+per-expert (ModuleList) weights, biases, every activation, token chunks. Output and every gradient
+against the reference in float64; layout errors."""
+import re
+
+import pytest
+import torch
+
+from moeblaze_fx.kernels.reference import ACTIVATIONS, ExpertParams, moe_ffn_reference, parse_activation
+from moeblaze_fx.ops import RoleView, encode_layout, moe_ffn
+
+T, d, h, E, K = 23, 8, 6, 4, 2
+SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=1.702,limit=0.7)"}
+
+
+def _rand(*shape, g):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _storage(style, gated, bias, g):
+    """Parameters in one storage style, and the ExpertParams views of them the reference reads."""
+    n_up = 2 * h if gated else h
+    if style == "fused":  # Hugging Face: [E, 2h, d] gate rows then up rows; down [E, d, h]
+        params = {"gate_up": _rand(E, n_up, d, g=g), "down": _rand(E, d, h, g=g)}
+    elif style == "interleaved-transposed":  # gpt-oss: [E, d, 2h] with gate/up in alternating columns
+        params = {"gate_up": _rand(E, d, n_up, g=g), "down": _rand(E, h, d, g=g)}
+    else:  # DeepSeek: separate w1, w3 [E, h, d]
+        params = {"w1": _rand(E, h, d, g=g), "down": _rand(E, d, h, g=g)}
+        if gated:
+            params["w3"] = _rand(E, h, d, g=g)
+    if bias:
+        params["b_gate_up"] = _rand(E, n_up, g=g)
+        params["b_down"] = _rand(E, d, g=g)
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    return params, _retake(style, gated, bias, params)
+
+
+def _retake(style, gated, bias, p):
+    if style == "fused":
+        gate, up = (p["gate_up"][:, :h], p["gate_up"][:, h:]) if gated else (p["gate_up"], None)
+        down = p["down"]
+    elif style == "interleaved-transposed":
+        gu = p["gate_up"].transpose(1, 2)
+        gate, up = (gu[:, 0::2], gu[:, 1::2]) if gated else (gu, None)
+        down = p["down"].transpose(1, 2)
+    else:
+        gate, up, down = p["w1"], p.get("w3"), p["down"]
+    if not bias:
+        return ExpertParams(gate, up, down)
+    b = p["b_gate_up"]
+    if style == "interleaved-transposed":
+        bg, bu = (b[:, 0::2], b[:, 1::2]) if gated else (b, None)
+    else:
+        bg, bu = (b[:, :h], b[:, h:]) if gated else (b, None)
+    return ExpertParams(gate, up, down, bg, bu, p["b_down"])
+
+
+def _inputs(g, sentinel=True):
+    x = _rand(T, d, g=g).requires_grad_()
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    if sentinel:
+        ids[::4, 0] = E  # no expert
+    w = torch.rand(T, K, generator=g, dtype=torch.float64).requires_grad_()
+    return x, ids, w
+
+
+def _compare(y, ref, leaves, g, tol=1e-10):
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+    gy = torch.randn(y.shape, generator=g, dtype=y.dtype)
+    got = torch.autograd.grad(y, leaves, gy)
+    want = torch.autograd.grad(ref, leaves, gy)
+    for i, (a, b) in enumerate(zip(got, want)):
+        rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert rel <= tol, f"gradient {i}: relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 5])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("style", ["fused", "interleaved-transposed", "separate"])
+@pytest.mark.parametrize("activation", list(SPECS))
+def test_storage_styles_activations_biases(activation, style, bias, chunk_tokens):
+    g = torch.Generator().manual_seed(0)
+    spec = SPECS[activation]
+    gated = parse_activation(spec).gated
+    params, experts = _storage(style, gated, bias, g)
+    x, ids, w = _inputs(g)
+    for checkpoint in ("activations", "recompute"):
+        y = moe_ffn(x, ids, w, experts, activation=spec, checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+        ref = moe_ffn_reference(x, ids, w, experts, spec)
+        _compare(y, ref, [x, w, *params.values()], g)
+
+
+def _modulelist(g, bias):
+    ws = {name: [_rand(*shape, g=g).requires_grad_() for _ in range(E)]
+          for name, shape in (("w1", (h, d)), ("w3", (h, d)), ("w2", (d, h)))}
+    if bias:
+        ws.update({f"b{n}": [_rand(r, g=g).requires_grad_() for _ in range(E)] for n, r in (("1", h), ("3", h), ("2", d))})
+    return ws
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("chunk_tokens", [0, 7])
+def test_modulelist_experts_are_read_in_place(bias, chunk_tokens):
+    """E separate nn.Linear-style weights (and biases): one table entry each, gradients to each."""
+    g = torch.Generator().manual_seed(1)
+    ws = _modulelist(g, bias)
+    params = ws["w1"] + ws["w3"] + ws["w2"]
+    views = [RoleView(0, E, 0, 0, d, 1, h, d), RoleView(E, E, 0, 0, d, 1, h, d), RoleView(2 * E, E, 0, 0, h, 1, d, h)]
+    if bias:
+        params += ws["b1"] + ws["b3"] + ws["b2"]
+        views += [RoleView(3 * E, E, 0, 0, 1, 1, h, 1), RoleView(4 * E, E, 0, 0, 1, 1, h, 1),
+                  RoleView(5 * E, E, 0, 0, 1, 1, d, 1)]
+    else:
+        views += [None, None, None]
+    x, ids, w = _inputs(g)
+    y = torch.ops.moeblaze.moe_ffn(x, ids, w, params, encode_layout(E, views), "swiglu", "recompute", chunk_tokens)[0]
+    stacked = [torch.stack(ws[k]) for k in ("w1", "w3", "w2")]
+    if bias:
+        stacked += [torch.stack(ws[k]) for k in ("b1", "b3", "b2")]
+    ref = moe_ffn_reference(x, ids, w, ExpertParams(*stacked), "swiglu")
+    _compare(y, ref, [x, w, *params], g)
+
+
+def test_chunked_equals_unchunked_exactly_in_float64():
+    g = torch.Generator().manual_seed(2)
+    _, experts = _storage("fused", True, True, g)
+    x, ids, w = _inputs(g)
+    whole = moe_ffn(x, ids, w, experts, chunk_tokens=0)
+    for chunk in (1, 4, 22, 23, 100):
+        torch.testing.assert_close(moe_ffn(x, ids, w, experts, chunk_tokens=chunk), whole, rtol=1e-14, atol=1e-14)
+
+
+def _fused_layout(**change):
+    base = dict(gate=RoleView(0, 1, 0, 2 * h * d, d, 1, h, d), up=RoleView(0, 1, h * d, 2 * h * d, d, 1, h, d),
+                down=RoleView(1, 1, 0, d * h, h, 1, d, h))
+    base.update(change)
+    return encode_layout(E, [base["gate"], base["up"], base["down"], None, None, None])
+
+
+@pytest.mark.parametrize("layout,activation,message", [
+    (_fused_layout(up=RoleView(0, 1, 1, 2 * h * d, d, 1, h, d)), "swiglu", "roles overlap in parameter 0"),
+    (_fused_layout(up=RoleView(0, 1, h * d + 1, 2 * h * d, d, 1, h, d)), "swiglu", "reaches element"),
+    (_fused_layout(down=RoleView(2, 1, 0, d * h, h, 1, d, h)), "swiglu", "names parameters 2..2 of 2"),
+    (_fused_layout(), "relu", "activation 'relu' takes no up role"),
+    (_fused_layout(up=None), "swiglu", "activation 'swiglu' needs an up role"),
+    (_fused_layout()[:-1], "swiglu", "layout must hold 1 + 48 ints"),
+    (_fused_layout(), "swiglu_oai(alpha=1,limit=-1)", "limit > 0"),
+    (_fused_layout(), "tanh", "unknown activation"),
+], ids=["overlap", "out-of-bounds", "bad-index", "plain-with-up", "gated-without-up", "short", "bad-limit", "tanh"])
+def test_bad_layout_is_a_clear_error(layout, activation, message):
+    g = torch.Generator().manual_seed(3)
+    x, ids, w = _inputs(g)
+    params = [_rand(E, 2 * h, d, g=g), _rand(E, d, h, g=g)]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), params, layout, activation, "activations", 0)
