@@ -243,6 +243,18 @@ def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk
     why = _check_layout(tuple(int(p.numel()) for p in params), tuple(layout))
     if why:
         raise ValueError(f"moeblaze.moe_ffn: bad layout: {why}")
+    for v in views:  # the parameters of a per-expert role: alike, and grouped the same way by every role
+        if v is None or v.count == 1:
+            continue
+        group = params[v.first: v.first + v.count]
+        if any((list(p.shape), list(p.stride()), p.dtype) != (list(group[0].shape), list(group[0].stride()), group[0].dtype)
+               for p in group):
+            raise ValueError(f"moeblaze.moe_ffn: per-expert parameters {v.first}..{v.first + v.count - 1} differ in "
+                             f"shape, strides or dtype: {[(tuple(p.shape), p.stride()) for p in group]}")
+        for u in views:
+            if u is not None and u.count > 1 and u.first != v.first and abs(u.first - v.first) < v.count:
+                raise ValueError(f"moeblaze.moe_ffn: per-expert roles at parameters {u.first} and {v.first} overlap "
+                                 "partly; roles must share a group of parameters exactly or not at all")
     gate, up, down, gate_bias, up_bias, down_bias = views
     h = gate.rows
     if (up is not None) != act.gated:
@@ -258,7 +270,13 @@ def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk
 
 
 def _dense_storage(p: Tensor) -> bool:
-    return p.is_contiguous() or p.dim() < 2 or torch._prims_common.is_non_overlapping_and_dense(p)
+    """Its elements fill a block of storage exactly once (any dimension order)."""
+    expected = 1
+    for stride, size in sorted((int(st), int(sz)) for st, sz in zip(p.stride(), p.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_ids_range(ids: Tensor) -> None:
@@ -321,8 +339,12 @@ def _tables(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
     def table(v):
         if v is None:
             return None
-        value = _role_value(params, v, E)
-        return tables.table_of_list(value) if isinstance(value, list) else tables.table_of(value)
+        if v.count == 1:
+            return tables.table_of(_role_value(params, v, E))
+        group = params[v.first: v.first + v.count]  # checked alike in shape, strides and dtype
+        size = group[0].element_size()
+        return tables.table_of_addresses(tuple(p.data_ptr() + v.offset * size for p in group), v.rows, v.cols,
+                                         v.stride_r, v.stride_c, group[0].dtype, group[0].device)
 
     return tables.ExpertTables(*(table(v) for v in views[:3]))
 
@@ -382,25 +404,44 @@ def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk
     return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,))
 
 
-def _grad_buffers(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> list[Tensor]:
-    """Gradient storage in each parameter's own strides; zeroed where the roles leave elements uncovered."""
-    covered = [0] * len(params)
-    for v in views:
-        if v is not None:
-            for i in range(v.first, v.first + v.count):
-                covered[i] += v.rows * v.cols * (E if v.count == 1 else 1)
-    return [torch.zeros_like(p) if covered[i] < p.numel() else torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
-                                                                                    device=p.device)
-            for i, p in enumerate(params)]
+def _groups(num_params: int, views: Sequence[RoleView | None], E: int) -> list[tuple[int, int]]:
+    """``(first, count)`` of each gradient allocation: the E parameters of a per-expert role share one
+    stacked ``[E, ...]`` buffer (their gradients are its slices), any other parameter has its own."""
+    starts = {v.first for v in views if v is not None and v.count == E and E > 1}
+    groups, i = [], 0
+    while i < num_params:
+        count = E if i in starts else 1
+        groups.append((i, count))
+        i += count
+    return groups
 
 
-def _store_role(bufs: Sequence[Tensor], v: RoleView, E: int, grad: Tensor, accumulate: bool) -> None:
+def _grad_buffers(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> dict[int, Tensor]:
+    """One gradient buffer per group (keyed by its first parameter), in each parameter's own strides
+    (stacked for a per-expert group); zeroed where the roles leave elements uncovered."""
+    bufs = {}
+    for first, count in _groups(len(params), views, E):
+        p = params[first]
+        covered = sum(v.numel(E) if v.count == 1 else v.rows * v.cols * count
+                      for v in views if v is not None and v.first == first)
+        shape, stride = (p.shape, p.stride()) if count == 1 else ((count, *p.shape), (p.numel(), *p.stride()))
+        buf = torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device)
+        bufs[first] = buf.zero_() if covered < buf.numel() else buf
+    return bufs
+
+
+def _grad_role(bufs: dict[int, Tensor], v: RoleView, E: int) -> Tensor:
+    """The role's place in the gradient buffers as one ``[E, rows, cols]`` view."""
+    buf = bufs[v.first]
+    stride_e = buf.stride(0) if v.count > 1 else v.stride_e
+    return buf.as_strided((E, v.rows, v.cols), (stride_e, v.stride_r, v.stride_c), buf.storage_offset() + v.offset)
+
+
+def _store_role(bufs: dict[int, Tensor], v: RoleView, E: int, grad: Tensor, accumulate: bool) -> None:
     """Write (or add) a dense ``[E, rows, cols]`` (or ``[E, n]``) gradient into the role's place in ``bufs``."""
-    grad = grad.reshape(E, v.rows, v.cols)
-    dest = _role_value(bufs, v, E)
-    for e, piece in enumerate(dest) if isinstance(dest, list) else [(None, dest)]:
-        src = grad if e is None else grad[e]
-        piece.add_(src) if accumulate else piece.copy_(src)
+    dest = _grad_role(bufs, v, E)
+    grad = grad.reshape(dest.shape)
+    dest.add_(grad) if accumulate else dest.copy_(grad)
 
 
 def _backward_chunk(grad_y, x, ids, weights, params, views, E, act, preact, bufs, accumulate, grad_tables):
@@ -452,7 +493,8 @@ def _moe_ffn_backward(
             acc32 = [None if v is None else torch.zeros((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
                      for v in views[:3]]
         tables = _triton_kernels()[3]
-        grad_tables = tables.tables_of(ExpertParams(*acc32)) if acc32 is not None else _tables(bufs, views, E)
+        grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
+            *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
     else:
         grad_tables = None
     dx = x.new_empty(x.shape) if len(chunks) > 1 else None
@@ -470,13 +512,18 @@ def _moe_ffn_backward(
         for v, g in zip(views[:3], acc32):
             if v is not None:
                 _store_role(bufs, v, E, g, False)
-    return dx, dweights, bufs
+    return dx, dweights, list(bufs.values())
 
 
 @_moe_ffn_backward.register_fake
 def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, activation, chunk_tokens):
-    return (torch.empty_like(x), torch.empty_like(weights),
-            [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device) for p in params])
+    E, views = decode_layout(layout)
+    grads = []
+    for first, count in _groups(len(params), views, E):
+        p = params[first]
+        shape, stride = (p.shape, p.stride()) if count == 1 else ((count, *p.shape), (p.numel(), *p.stride()))
+        grads.append(torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device))
+    return torch.empty_like(x), torch.empty_like(weights), grads
 
 
 def _setup_context(ctx, inputs, output):
@@ -489,9 +536,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y, _grad_preact):
     x, ids, weights, preact, *params = ctx.saved_tensors
-    dx, dweights, dparams = torch.ops.moeblaze.moe_ffn_backward(
+    dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
         grad_y, x, ids, weights, params, ctx.layout, preact, ctx.activation, ctx.chunk_tokens)
-    return dx, None, dweights, list(dparams), None, None, None, None
+    dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
+    for g, (_, count) in zip(grads, _groups(len(params), decode_layout(ctx.layout)[1], decode_layout(ctx.layout)[0])):
+        dparams.extend(g.unbind(0) if count > 1 else [g])
+    return dx, None, dweights, dparams, None, None, None, None
 
 
 _moe_ffn.register_autograd(_backward, setup_context=_setup_context)

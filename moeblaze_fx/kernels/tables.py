@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .reference import ExpertParams
 
-__all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "tables_of"]
+__all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "table_of_addresses", "tables_of"]
 
 
 class WeightTable(NamedTuple):
@@ -83,6 +83,12 @@ def table_of_list(ws: Sequence[Tensor]) -> WeightTable:
     ptrs = _cached_ptrs(addresses, first.device)
     r, c = first.shape
     return WeightTable(ptrs, r, c, first.stride(0), first.stride(1), first.dtype, math.gcd(16, *addresses))
+
+
+def table_of_addresses(addresses: tuple[int, ...], rows: int, cols: int, stride_r: int, stride_c: int,
+                       dtype: torch.dtype, device: torch.device) -> WeightTable:
+    """Table of E matrices at the given byte addresses (the operator's per-expert parameters)."""
+    return WeightTable(_cached_ptrs(addresses, device), rows, cols, stride_r, stride_c, dtype, math.gcd(16, *addresses))
 
 
 def tables_of(experts: ExpertParams) -> ExpertTables:

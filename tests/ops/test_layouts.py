@@ -153,3 +153,28 @@ def test_bad_layout_is_a_clear_error(layout, activation, message):
     params = [_rand(E, 2 * h, d, g=g), _rand(E, d, h, g=g)]
     with pytest.raises(ValueError, match=re.escape(message)):
         torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), params, layout, activation, "activations", 0)
+
+
+def test_per_expert_parameters_must_be_alike():
+    g = torch.Generator().manual_seed(4)
+    x, ids, w = _inputs(g)
+    ws = _modulelist(g, False)
+    ws["w1"][1] = ws["w1"][1].t().contiguous().t()  # same shape, other strides
+    layout = encode_layout(E, [RoleView(0, E, 0, 0, d, 1, h, d), RoleView(E, E, 0, 0, d, 1, h, d),
+                               RoleView(2 * E, E, 0, 0, h, 1, d, h), None, None, None])
+    with pytest.raises(ValueError, match="differ in shape, strides or dtype"):
+        torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), ws["w1"] + ws["w3"] + ws["w2"], layout, "swiglu",
+                                   "activations", 0)
+    shifted = encode_layout(E, [RoleView(0, E, 0, 0, d, 1, h, d), RoleView(E - 1, E, 0, 0, d, 1, h, d),
+                                RoleView(2 * E, E, 0, 0, h, 1, d, h), None, None, None])
+    params = [t.detach().contiguous() for t in ws["w1"] + ws["w3"] + ws["w2"]]
+    with pytest.raises(ValueError, match="overlap partly"):
+        torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), params, shifted, "swiglu", "activations", 0)
+
+
+def test_a_parameter_with_gaps_is_refused():
+    g = torch.Generator().manual_seed(5)
+    x, ids, w = _inputs(g)
+    params = [_rand(E, 4 * h, d, g=g)[:, ::2], _rand(E, d, h, g=g)]  # a view with gaps, not a parameter
+    with pytest.raises(ValueError, match="non-overlapping and dense"):
+        torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), params, _fused_layout(), "swiglu", "activations", 0)
