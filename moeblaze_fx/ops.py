@@ -354,15 +354,20 @@ def _biases(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) 
     return [None if v is None else _dense(_role_value(params, v, E), True).contiguous() for v in views[3:]]
 
 
-def _forward_chunk(x, ids, weights, params, views, E, act, save_preact):
+def _forward_chunk(x, ids, weights, params, views, E, act, save_preact, out=None, preact_out=None):
+    """y and preact of these tokens; written into ``out`` / ``preact_out`` when given."""
     plan = _make_plan(ids, E, plan_block_m(x.device))
     if _use_triton(x):
         kernels = _triton_kernels()
         return kernels[1].expert_forward(x, weights, _tables(params, views, E), plan, act, save_preact,
-                                         *_biases(params, views, E))
+                                         *_biases(params, views, E), out=out, preact_out=preact_out)
     experts = ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
                              for r, v in zip(ROLES, views)])
     y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, experts, act, save_preact, plan)
+    if out is not None:
+        out.copy_(y)
+    if preact_out is not None and save_preact:
+        preact_out.copy_(preact)
     return y, preact
 
 
@@ -389,10 +394,8 @@ def _moe_ffn(
     y = x.new_empty(x.shape)
     preact = x.new_empty((T * K, width) if save else (0,))
     for t0, t1 in chunks:
-        y_c, pre_c = _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], params, views, E, act, save)
-        y[t0:t1] = y_c
-        if save:
-            preact[t0 * K: t1 * K] = pre_c
+        _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], params, views, E, act, save, out=y[t0:t1],
+                       preact_out=preact[t0 * K: t1 * K] if save else None)
     return y, preact
 
 

@@ -550,18 +550,23 @@ def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K:
 def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
                    activation: "Activation | str", save_preact: bool,
                    gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                   ) -> tuple[Tensor, Tensor]:
+                   *, out: Tensor | None = None, preact_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """y [T, d] (x.dtype) and preact in slot order (x.dtype): ``[T*K, 2h]`` (gate|up) for a gated activation,
     ``[T*K, h]`` for a plain one, biases included; ``[0]`` unless save_preact.
 
     ``w`` holds the weight tables (``w.up`` None exactly for a plain activation); biases are optional
     contiguous ``[E, h]``, ``[E, h]``, ``[E, d]`` tensors of x's dtype. ``plan`` must come from
-    ``dispatch(ids, E, block_m=plan_block_m())`` (or ``dispatch_reference``)."""
+    ``dispatch(ids, E, block_m=plan_block_m())`` (or ``dispatch_reference``). ``out`` / ``preact_out``:
+    storage to write y / preact into (any strides; the token-chunked caller passes row slices)."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     N = T * K
     width = 2 * h if act.gated else h
-    preact = x.new_empty((N, width) if save_preact else (0,))
-    out = x.new_empty((T, d))
+    for name, given, shape in (("out", out, (T, d)), ("preact_out", preact_out, (N, width))):
+        if given is not None and (tuple(given.shape) != shape or given.dtype != x.dtype or given.device != x.device):
+            raise ValueError(f"{name} must be {shape} of {x.dtype} on {x.device}, got {tuple(given.shape)} of "
+                             f"{given.dtype} on {given.device}")
+    preact = (preact_out if preact_out is not None else x.new_empty((N, width))) if save_preact else x.new_empty((0,))
+    out = out if out is not None else x.new_empty((T, d))
     if N == 0 or d == 0:
         return out.zero_(), preact
     num_tiles = plan.tile_expert.numel()

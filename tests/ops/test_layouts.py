@@ -178,3 +178,25 @@ def test_a_parameter_with_gaps_is_refused():
     params = [_rand(E, 4 * h, d, g=g)[:, ::2], _rand(E, d, h, g=g)]  # a view with gaps, not a parameter
     with pytest.raises(ValueError, match="non-overlapping and dense"):
         torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), params, _fused_layout(), "swiglu", "activations", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the Triton path on CPU tensors through the interpreter")
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+def test_triton_path_token_chunks_in_the_interpreter(monkeypatch, checkpoint):
+    """The operator's kernel path (tables, chunk outputs written in place, accumulated weight
+    gradients) on CPU tensors under TRITON_INTERPRET, float32, against the reference."""
+    from moeblaze_fx import ops
+    from moeblaze_fx.kernels import expert_fwd
+
+    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+    monkeypatch.setattr(ops, "plan_block_m", lambda device: expert_fwd.plan_block_m())
+    g = torch.Generator().manual_seed(6)
+    params, _ = _storage("fused", True, True, g)
+    params = {k: v.detach().float().requires_grad_() for k, v in params.items()}
+    experts = _retake("fused", True, True, params)
+    x, ids, w = _inputs(g)
+    x, w = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    for chunk in (0, 6, 12):  # 12: two chunks, weight gradients accumulated in float32; 6: in place
+        y = moe_ffn(x, ids, w, experts, checkpoint=checkpoint, chunk_tokens=chunk)
+        ref = moe_ffn_reference(x, ids, w, experts)
+        _compare(y, ref, [x, w, *params.values()], g, tol=1e-5)
