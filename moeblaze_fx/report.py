@@ -10,9 +10,9 @@ Reached through
 
 Saved-activation bytes: "before" is measured while the region is proven (``saved_tensors_hooks``
 over the original region at its traced sizes, distinct storages, parameters excluded); "after" is
-what the operator saves, from shapes: ``x`` (T·d), ``ids`` and ``weights`` (T·K each), the index
-structures (int32: E+1 offsets, 2·T·K token index and inverse map, 2 tile arrays) and, under the
-``"activations"`` policy, the pre-activations (T·K·2h).
+what the operator saves, from shapes: ``x`` (T·d), ``ids`` and ``weights`` (T·K each) and, under the
+``"activations"`` policy, the pre-activations (T·K·2h; T·K·h for a plain activation). The dispatch
+plan is rebuilt in backward, not saved.
 """
 from __future__ import annotations
 
