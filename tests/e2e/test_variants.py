@@ -168,6 +168,24 @@ moe_ffn_default = moeblaze.moe_ffn.default(l_x, ids, w, [experts.0.w1.weight, ex
 getitem = operator.getitem(moe_ffn_default, 0)
 return (getitem,)""")
 
+    def test_plain_relu_graph(self):
+        torch.manual_seed(0)
+        self.assertExpectedInline(rewritten_graph(ModuleListMoE(E=2, act="relu"), _x()), """\
+router.weight = input
+l_x = input
+experts.0.w1.weight = input
+experts.0.w2.weight = input
+experts.1.w1.weight = input
+experts.1.w2.weight = input
+linear = torch.linear(l_x, router.weight, None)
+softmax = torch.softmax(linear, dim=-1)
+topk = torch.topk(softmax, 2, dim=-1)
+w = operator.getitem(topk, 0)
+ids = operator.getitem(topk, 1)
+moe_ffn_default = moeblaze.moe_ffn.default(l_x, ids, w, [experts.0.w1.weight, experts.1.w1.weight, experts.0.w2.weight, experts.1.w2.weight], [2, 0, 2, 0, 0, 16, 1, 24, 16, -1, 0, 0, 0, 0, 0, 0, 0, 2, 2, 0, 0, 24, 1, 16, 24, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0], 'relu', 'activations', 4194304)
+getitem = operator.getitem(moe_ffn_default, 0)
+return (getitem,)""")
+
     def test_report(self):
         torch.manual_seed(0)
         run_eager_and_compiled(GptOssStyleMoE(), (_x(),))
