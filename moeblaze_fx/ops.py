@@ -485,14 +485,14 @@ def _moe_ffn_backward(
     bufs = _grad_buffers(params, views, E)
     chunks = _chunks(T, chunk_tokens)
     triton_path = _use_triton(x)
-    # Weight gradients over several chunks: accumulated in float32 when that costs less than one chunk's
-    # transients, else in place in the parameters' dtype (one rounding per chunk).
+    # Weight gradients over more than two chunks: accumulated in float32 when that costs less than one
+    # chunk's transients, else (and over two chunks) in place in the parameters' dtype (one rounding per chunk).
     acc32 = None
     if triton_path:
         weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
         h = views[0].rows
         chunk_bytes = chunk_tokens * K * ((3 if act.gated else 2) * h + x.shape[1]) * x.element_size()
-        if len(chunks) > 1 and 4 * weight_numel <= chunk_bytes:
+        if len(chunks) > 2 and 4 * weight_numel <= chunk_bytes:
             acc32 = [None if v is None else torch.zeros((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
                      for v in views[:3]]
         tables = _triton_kernels()[3]

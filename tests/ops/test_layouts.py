@@ -194,9 +194,13 @@ def test_triton_path_token_chunks_in_the_interpreter(monkeypatch, checkpoint):
     params, _ = _storage("fused", True, True, g)
     params = {k: v.detach().float().requires_grad_() for k, v in params.items()}
     experts = _retake("fused", True, True, params)
-    x, ids, w = _inputs(g)
-    x, w = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    for chunk in (0, 6, 12):  # 12: two chunks, weight gradients accumulated in float32; 6: in place
+    T40 = 40
+    x = _rand(T40, d, g=g).float().requires_grad_()
+    ids = torch.rand(T40, E, generator=g).argsort(dim=1)[:, :K]
+    w = torch.rand(T40, K, generator=g).requires_grad_()
+    # 6: seven chunks, weight gradients accumulated in place; 12: four chunks, in float32 (4 x 576 weight
+    # elements fit in a chunk's 12 * 2 * (3h + d) * 4 bytes of transients); 20: two chunks, in place
+    for chunk in (0, 6, 12, 20):
         y = moe_ffn(x, ids, w, experts, checkpoint=checkpoint, chunk_tokens=chunk)
         ref = moe_ffn_reference(x, ids, w, experts)
         _compare(y, ref, [x, w, *params.values()], g, tol=1e-5)
