@@ -541,8 +541,9 @@ def _backward(ctx, grad_y, _grad_preact):
     x, ids, weights, preact, *params = ctx.saved_tensors
     dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
         grad_y, x, ids, weights, params, ctx.layout, preact, ctx.activation, ctx.chunk_tokens)
+    E, views = decode_layout(ctx.layout)
     dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
-    for g, (_, count) in zip(grads, _groups(len(params), decode_layout(ctx.layout)[1], decode_layout(ctx.layout)[0])):
+    for g, (_, count) in zip(grads, _groups(len(params), views, E)):
         dparams.extend(g.unbind(0) if count > 1 else [g])
     return dx, None, dweights, dparams, None, None, None, None
 
