@@ -354,15 +354,26 @@ def _biases(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) 
     return [None if v is None else _dense(_role_value(params, v, E), True).contiguous() for v in views[3:]]
 
 
-def _forward_chunk(x, ids, weights, params, views, E, act, save_preact, out=None, preact_out=None):
+class _KernelWeights(NamedTuple):
+    tables: object  # kernels.tables.ExpertTables
+    biases: list  # gate, up, down bias: contiguous [E, n] or None
+
+
+def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
+    """What one call's chunks compute with, built once: tables and biases for the kernels, or dense
+    ``ExpertParams`` for the plain-PyTorch path."""
+    if _use_triton(x):
+        return _KernelWeights(_tables(params, views, E), _biases(params, views, E))
+    return ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
+                          for r, v in zip(ROLES, views)])
+
+
+def _forward_chunk(x, ids, weights, experts, E, act, save_preact, out=None, preact_out=None):
     """y and preact of these tokens; written into ``out`` / ``preact_out`` when given."""
     plan = _make_plan(ids, E, plan_block_m(x.device))
-    if _use_triton(x):
-        kernels = _triton_kernels()
-        return kernels[1].expert_forward(x, weights, _tables(params, views, E), plan, act, save_preact,
-                                         *_biases(params, views, E), out=out, preact_out=preact_out)
-    experts = ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
-                             for r, v in zip(ROLES, views)])
+    if isinstance(experts, _KernelWeights):
+        return _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save_preact,
+                                                   *experts.biases, out=out, preact_out=preact_out)
     y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, experts, act, save_preact, plan)
     if out is not None:
         out.copy_(y)
@@ -389,12 +400,13 @@ def _moe_ffn(
     save = checkpoint == "activations"
     width = (2 if act.gated else 1) * h
     chunks = _chunks(T, chunk_tokens)
+    experts = _expert_weights(x, params, views, E)
     if len(chunks) == 1:
-        return _forward_chunk(x, ids, weights, params, views, E, act, save)
+        return _forward_chunk(x, ids, weights, experts, E, act, save)
     y = x.new_empty(x.shape)
     preact = x.new_empty((T * K, width) if save else (0,))
     for t0, t1 in chunks:
-        _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], params, views, E, act, save, out=y[t0:t1],
+        _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], experts, E, act, save, out=y[t0:t1],
                        preact_out=preact[t0 * K: t1 * K] if save else None)
     return y, preact
 
@@ -447,18 +459,16 @@ def _store_role(bufs: dict[int, Tensor], v: RoleView, E: int, grad: Tensor, accu
     dest.add_(grad) if accumulate else dest.copy_(grad)
 
 
-def _backward_chunk(grad_y, x, ids, weights, params, views, E, act, preact, bufs, accumulate, grad_tables):
+def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, accumulate, grad_tables):
     plan = _make_plan(ids, E, plan_block_m(x.device))
-    if _use_triton(x):
+    if isinstance(experts, _KernelWeights):
         dx, dweights, *dbias = _triton_kernels()[2].expert_backward(
-            grad_y, x, weights, _tables(params, views, E), preact, plan, act, *_biases(params, views, E),
+            grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
             grads=grad_tables, accumulate=accumulate)
         for v, g in zip(views[3:], dbias):
             if v is not None:
                 _store_role(bufs, v, E, g, accumulate)
         return dx, dweights
-    experts = ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
-                             for r, v in zip(ROLES, views)])
     dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act)
     for v, g in zip(views, grads):
         if v is not None:
@@ -484,7 +494,8 @@ def _moe_ffn_backward(
     grad_y = grad_y.contiguous()
     bufs = _grad_buffers(params, views, E)
     chunks = _chunks(T, chunk_tokens)
-    triton_path = _use_triton(x)
+    experts = _expert_weights(x, params, views, E)
+    triton_path = isinstance(experts, _KernelWeights)
     # Weight gradients over more than two chunks: accumulated in float32 when that costs less than one
     # chunk's transients, else (and over two chunks) in place in the parameters' dtype (one rounding per chunk).
     acc32 = None
@@ -504,7 +515,7 @@ def _moe_ffn_backward(
     dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
     for i, (t0, t1) in enumerate(chunks):
         pre = preact if preact.numel() == 0 or len(chunks) == 1 else preact[t0 * K: t1 * K]
-        dx_c, dw_c = _backward_chunk(grad_y[t0:t1], x[t0:t1], ids[t0:t1], weights[t0:t1], params, views, E, act, pre,
+        dx_c, dw_c = _backward_chunk(grad_y[t0:t1], x[t0:t1], ids[t0:t1], weights[t0:t1], experts, views, E, act, pre,
                                      bufs, i > 0, grad_tables)
         if len(chunks) == 1:
             dx, dweights = dx_c, dw_c
