@@ -16,8 +16,8 @@ CHECKPOINT_CHOICES = ("activations", "recompute", "auto")
 
 @dataclasses.dataclass(frozen=True)
 class MoEBlazeConfig:
-    # Memory policy of every rewritten region: "activations" saves x, the index structures and the
-    # gate/up pre-activations; "recompute" saves x and the index structures and recomputes the up
+    # Memory policy of every rewritten region: "activations" saves x, the ids, the combine weights and
+    # the gate/up pre-activations; "recompute" saves x, the ids and the weights and recomputes the up
     # projection in backward; "auto" picks "recompute" for a region whose pre-activations would
     # exceed `memory_budget` bytes, "activations" otherwise.
     checkpoint: str = "activations"

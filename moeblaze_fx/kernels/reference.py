@@ -4,10 +4,11 @@ The operator computes, for tokens ``x [T, d]``, expert ids ``ids [T, K]`` and co
 ``weights [T, K]``::
 
     y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])        (ids[t, k] >= E contributes nothing)
-    expert_e(v) = act(v @ w_gate_up[e].T) @ w_down[e].T
+    expert_e(v) = act(v @ gate[e].T + gate_bias[e], v @ up[e].T + up_bias[e]) @ down[e].T + down_bias[e]
 
-with ``w_gate_up [E, 2h, d]`` (rows ``[:h]`` the gate, ``[h:]`` the up projection; Hugging Face's
-layout), ``w_down [E, d, h]``, and ``act(gate | up) = silu(gate) * up`` for SwiGLU.
+with ``gate, up [E, h, d]``, ``down [E, d, h]`` and optional biases (:class:`ExpertParams`; ``up`` is
+absent for a plain activation), and ``act(gate, up) = silu(gate) * up`` for SwiGLU (see
+:data:`ACTIVATIONS` for the others).
 
 Three layers live here:
 
@@ -16,10 +17,11 @@ Three layers live here:
   ``slot_of [T*K]`` and the row-tile metadata the grouped GEMMs walk.
 * ``moe_ffn_reference`` is the obvious differentiable loop, used as the numerical truth in tests.
 * ``moe_ffn_forward_torch`` / ``moe_ffn_backward_torch`` implement the operator's memory policy in
-  plain PyTorch (the CPU path): the forward saves ``x``, the index structures and, under the
-  ``"activations"`` policy, the pre-activations ``A|B [T*K, 2h]``; never a gathered ``[T*K, d]`` copy
-  of the tokens and never the expert outputs. The backward recomputes ``silu`` and ``H`` and takes the
-  routing-weight gradient as ``<dH', H>`` so the expert outputs ``Y`` are not needed.
+  plain PyTorch (the CPU path): the forward keeps, under the ``"activations"`` policy, the
+  pre-activations ``A|B [T*K, 2h]`` (``[T*K, h]`` for a plain activation); never a gathered
+  ``[T*K, d]`` copy of the tokens and never the expert outputs. The backward recomputes the
+  activation and ``H`` and takes the routing-weight gradient as ``<dH', H> + <dy, down_bias>`` so the
+  expert outputs ``Y`` are not needed.
 """
 from __future__ import annotations
 
