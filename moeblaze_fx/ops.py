@@ -141,10 +141,9 @@ def _dense(value: Tensor | list[Tensor], is_bias: bool) -> Tensor:
     return t.squeeze(-1) if is_bias else t
 
 
-def dense_experts(params: Sequence[Tensor], layout: Sequence[int]) -> ExpertParams:
+def _dense_experts(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> ExpertParams:
     """Every role as an ``[E, ...]`` tensor: views where one parameter holds all experts, a stack of
-    the per-expert tensors otherwise (the plain-PyTorch path and the reference)."""
-    E, views = decode_layout(layout)
+    the per-expert tensors otherwise (the plain-PyTorch path)."""
     return ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), role.endswith("bias"))
                           for role, v in zip(ROLES, views)])
 
@@ -364,8 +363,7 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     ``ExpertParams`` for the plain-PyTorch path."""
     if _use_triton(x):
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E))
-    return ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), r.endswith("bias"))
-                          for r, v in zip(ROLES, views)])
+    return _dense_experts(params, views, E)
 
 
 def _forward_chunk(x, ids, weights, experts, E, act, save_preact, out=None, preact_out=None):

@@ -42,8 +42,11 @@ class Role:
         return len(self.params) > 1 or example_value(self.params[0]).dim() == (1 if self.bias else 2)
 
 
-# How an operator role is cut from an extracted role, along its output features (logical rows):
-PIECES = ("all", "first", "second", "even", "odd")
+# How an operator role is cut from an extracted role, along its output features (logical rows n):
+# the rows each piece keeps, as a slice, and how the report writes it.
+_PIECES = {"all": (lambda n: slice(None), ""), "first": (lambda n: slice(0, n // 2), "[:n/2]"),
+           "second": (lambda n: slice(n // 2, None), "[n/2:]"), "even": (lambda n: slice(0, None, 2), "[0::2]"),
+           "odd": (lambda n: slice(1, None, 2), "[1::2]")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +58,7 @@ class Part:
     piece: str = "all"
 
     def describe(self, names: list[str]) -> str:
-        piece = {"all": "", "first": "[:n/2]", "second": "[n/2:]", "even": "[0::2]", "odd": "[1::2]"}[self.piece]
-        return f"{names[self.role]}{'.T' if self.t else ''}{piece}"
+        return f"{names[self.role]}{'.T' if self.t else ''}{_PIECES[self.piece][1]}"
 
     def view(self, role: Role, first: int) -> RoleView:
         """Where this part lives in the role's parameter(s) (``first``: index of its first parameter)."""
@@ -80,11 +82,10 @@ class Part:
                 s_r *= 2
         return RoleView(first, len(role.params), offset, s_e, s_r, s_c, rows, cols)
 
-    def value(self, value: torch.Tensor, bias: bool) -> torch.Tensor:
+    def value(self, value: torch.Tensor) -> torch.Tensor:
         """The part of a role's ``[E, r, c]`` (``[E, n]`` for a bias) tensor, as a view."""
         v = value.transpose(1, 2) if self.t else value
-        n = v.shape[1]
-        return {"all": v, "first": v[:, : n // 2], "second": v[:, n // 2:], "even": v[:, 0::2], "odd": v[:, 1::2]}[self.piece]
+        return v[:, _PIECES[self.piece][0](v.shape[1])]
 
 
 @dataclasses.dataclass
@@ -107,9 +108,9 @@ class Layout:
         text = [f"{role} = {part.describe(names)}" for role, part in zip(ROLES, self.parts) if part is not None]
         return ", ".join(text)
 
-    def experts(self, roles: list[Role], values: list[torch.Tensor]) -> ExpertParams:
+    def experts(self, values: list[torch.Tensor]) -> ExpertParams:
         """Dense expert tensors (views of ``values``, one ``[E, ...]`` tensor per role) for the reference."""
-        return ExpertParams(*[None if p is None else p.value(values[p.role], roles[p.role].bias) for p in self.parts])
+        return ExpertParams(*[None if p is None else p.value(values[p.role]) for p in self.parts])
 
     def operator_args(self, roles: list[Role]) -> tuple[list[fx.Node], list[int]]:
         """The operator's ``params`` (graph nodes, each once) and ``layout`` ints."""
@@ -176,10 +177,12 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
     roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in by_rank.get(3, [])]
     names = [name_of[p] for p in by_rank.get(3, [])]
     # 2-D: [E, n] biases beside 3-D weights, else the per-expert weights of a ModuleList
-    per_expert = [] if roles else by_rank.get(2, [])
-    for p in by_rank.get(2, []) if roles else []:
-        roles.append(Role([p], (*example_value(p).shape, 1), bias=True))
-        names.append(name_of[p])
+    per_expert = by_rank.get(2, [])
+    if roles:
+        for p in per_expert:
+            roles.append(Role([p], (*example_value(p).shape, 1), bias=True))
+            names.append(name_of[p])
+        per_expert = []
     for group, bias in ((per_expert, False), (by_rank.get(1, []), True)):
         fam = _families(group, name_of)
         if isinstance(fam, str):

@@ -225,16 +225,9 @@ _BREAK_ADVICE = {
 
 def _compile_reason(gm: fx.GraphModule):
     """Why Dynamo ended this graph (its ``GraphCompileReason``: message, user stack, whether it was a
-    graph break), or None outside Dynamo. Dynamo sets it on the module it hands the backend; the
-    passes work on a copy, so it is also read from the translation in progress."""
+    graph break), or None outside Dynamo. Dynamo sets it on the module it hands the backend, and the
+    passes' working copy carries it over."""
     reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is None:
-        try:
-            from torch._dynamo.symbolic_convert import InstructionTranslator
-
-            reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
-        except Exception:  # not inside a Dynamo compile, or a torch without it
-            return None
     return reason if hasattr(reason, "graph_break") and hasattr(reason, "user_stack") else None
 
 

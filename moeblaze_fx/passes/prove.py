@@ -143,7 +143,7 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     with torch.enable_grad():
         stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
         for layout in ext.layouts:
-            experts = layout.experts(ext.roles, stacked)
+            experts = layout.experts(stacked)
             for act in ext.activations:
                 if act.gated != (layout.up is not None):
                     continue
