@@ -1,10 +1,11 @@
 """The transient_budget trade-off: one MoE layer (router included), forward + backward, bf16, at the
-BENCHMARKS.md configs, with the tokens processed whole and in chunks.
+BENCHMARKS.md configs, with the slots processed whole and in windows that fit each budget.
 
-    PYTHONPATH=. python3 benchmarks/chunk_device.py OUTDIR [--configs A,B]
+    PYTHONPATH=. python3 benchmarks/chunk_device.py OUTDIR [--configs A,B] [--budgets-mib 0,2048,256]
 
-Per config, policy and chunk size: median ms of 5 steps after one warm-up (CUDA events) and the peak
-allocation above the step's start. Writes OUTDIR/chunk.json and prints a markdown table.
+Per config, policy and budget (0: everything at once): median ms of 5 steps after one warm-up (CUDA
+events) and the peak allocation above the step's start. Writes OUTDIR/chunk.json and prints a markdown
+table.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--configs", default="A,B")
+    p.add_argument("--budgets-mib", default="0,2048,512,256")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -36,9 +38,10 @@ def main() -> int:
         wr = (torch.randn(c.E, c.d, device=dev, generator=g) / c.d**0.5).to(dt).requires_grad_()
         wgu = (torch.randn(c.E, 2 * c.h, c.d, device=dev, generator=g) / c.d**0.5).to(dt).requires_grad_()
         wd = (torch.randn(c.E, c.d, c.h, device=dev, generator=g) / c.h**0.5).to(dt).requires_grad_()
-        default = default_chunk_tokens(c.K, c.d, c.h, True, 2)
         for policy in ("activations", "recompute"):
-            for chunk in sorted({0, default if default < c.T else 0, c.T // 2}):
+            for mib in [int(b) for b in args.budgets_mib.split(",")]:
+                chunk = default_chunk_tokens(c.K, c.d, c.h, True, 2, mib << 20)
+                chunk = chunk if chunk < c.T else 0
                 def step():
                     for t in (x, wr, wgu, wd):
                         t.grad = None
@@ -58,8 +61,8 @@ def main() -> int:
                     b.record()
                     torch.cuda.synchronize()
                     times.append(a.elapsed_time(b))
-                rows.append(dict(config=name, policy=policy, chunk_tokens=chunk or c.T,
-                                 chunks=-(-c.T // chunk) if chunk else 1, ms=round(statistics.median(times), 2),
+                rows.append(dict(config=name, policy=policy, budget_mib=mib, chunk_tokens=chunk or c.T,
+                                 windows=-(-c.T // chunk) if chunk else 1, ms=round(statistics.median(times), 2),
                                  peak_mb=round((torch.cuda.max_memory_allocated() - start) / 1e6)))
                 print(rows[-1], flush=True)
         del x, gy, wr, wgu, wd
@@ -69,9 +72,10 @@ def main() -> int:
     with open(os.path.join(args.out, "chunk.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(json.dumps(meta))
-    print("| config | policy | tokens per chunk | chunks | ms | peak MB |\n|---|---|---|---|---|---|")
+    print("| config | policy | budget MiB | slots per window / K | windows | ms | peak MB |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['policy']} | {r['chunk_tokens']} | {r['chunks']} | {r['ms']} | {r['peak_mb']} |")
+        print(f"| {r['config']} | {r['policy']} | {r['budget_mib']} | {r['chunk_tokens']} | {r['windows']} | {r['ms']} "
+              f"| {r['peak_mb']} |")
     return 0
 
 

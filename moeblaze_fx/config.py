@@ -23,8 +23,8 @@ class MoEBlazeConfig:
     checkpoint: str = "activations"
     # Bytes of pre-activations a region may save under checkpoint="auto".
     memory_budget: int = 1 << 30
-    # Bytes of transient per-slot buffers the operator may hold at once: tokens are processed in
-    # chunks that fit (weight gradients accumulate across chunks). 0: all tokens at once.
+    # Bytes of transient per-slot buffers the operator may hold at once: the Triton path runs windows of
+    # the expert-sorted slots that fit, the PyTorch path chunks of tokens. 0: everything at once.
     transient_budget: int = 2 << 30
     # Prove each candidate numerically (forward and every gradient, small random inputs at compile
     # time) before rewriting it. Off: shapes and structure alone decide.

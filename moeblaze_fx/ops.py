@@ -5,8 +5,9 @@ returns ``(y, preact)``:
 
 * ``y [T, d]`` in x's dtype: ``y[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t])``;
 * ``preact [T*K, 2h]`` (gate|up pre-activations, biases included; ``[T*K, h]`` for a plain
-  activation) in the slot order of each token chunk under ``checkpoint="activations"``, an empty
-  ``[0]`` tensor under ``"recompute"``. Only ``y`` is meant for callers.
+  activation) in slot order (the whole batch's on the Triton path, each token chunk's on the PyTorch
+  path) under ``checkpoint="activations"``, an empty ``[0]`` tensor under ``"recompute"``. Only ``y``
+  is meant for callers.
 
 The expert parameters arrive as they are stored: ``params`` is the list of parameter tensors and
 ``layout`` (see :class:`RoleView`, :func:`encode_layout`) says where in them each *role* lives (gate
@@ -18,10 +19,13 @@ of each parameter's own layout.
 
 AOTAutograd saves for ``moeblaze::moe_ffn_backward`` exactly x, the ids, the routing weights and,
 under the default policy, the pre-activations; the dispatch plan (a few int32 per pair) is rebuilt in
-backward by the same deterministic dispatch. Tokens are processed in chunks of ``chunk_tokens``
-(0: all at once), which bounds the operator's transient buffers; weight gradients are accumulated
-across chunks. All output shapes are static functions of the input shapes (no host synchronisation),
-so dynamic T and CUDA graphs work.
+backward by the same deterministic dispatch. ``chunk_tokens`` (0: no bound) bounds the operator's
+transient buffers. The Triton path builds one plan and runs its expert-sorted slots in windows of
+``chunk_tokens * K`` slots: each expert's weights are read by the windows its slots fall in (not by
+every window), its weight gradient is written by the window where its slots start and added to by any
+later one they reach, and y / dx accumulate across windows. The PyTorch path runs chunks of
+``chunk_tokens`` tokens. All output shapes are static functions of the input shapes (no host
+synchronisation), so dynamic T and CUDA graphs work.
 
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
 bfloat16/float16 by the Triton kernels in ``kernels/`` where they are available.
@@ -314,8 +318,9 @@ def _make_plan(ids: Tensor, num_experts: int, block_m: int) -> DispatchPlan:
 
 def default_chunk_tokens(K: int, d: int, h: int, gated: bool, itemsize: int,
                          budget: int = DEFAULT_TRANSIENT_BUDGET) -> int:
-    """Tokens per chunk so that the backward's per-slot transients (dA|dB, w*H, dX per slot: ``K *
-    (preact + h + d)`` elements a token) stay within ``budget`` bytes; 0 (one chunk) for budget 0."""
+    """Tokens per chunk (``K`` times that many slots per window on the Triton path) so that the backward's
+    per-slot transients (dA|dB, w*H, dX per slot: ``K * (preact + h + d)`` elements a token) stay within
+    ``budget`` bytes; 0 (no bound) for budget 0."""
     if budget <= 0:
         return 0
     per_token = K * ((2 if gated else 1) * h + h + d) * itemsize
@@ -359,7 +364,7 @@ class _KernelWeights(NamedTuple):
 
 
 def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
-    """What one call's chunks compute with, built once: tables and biases for the kernels, or dense
+    """What one call's windows or chunks compute with, built once: tables and biases for the kernels, or dense
     ``ExpertParams`` for the plain-PyTorch path."""
     if _use_triton(x):
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E))
@@ -367,11 +372,8 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
 
 
 def _forward_chunk(x, ids, weights, experts, E, act, save_preact, out=None, preact_out=None):
-    """y and preact of these tokens; written into ``out`` / ``preact_out`` when given."""
+    """y and preact of these tokens (plain-PyTorch path); written into ``out`` / ``preact_out`` when given."""
     plan = _make_plan(ids, E, plan_block_m(x.device))
-    if isinstance(experts, _KernelWeights):
-        return _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save_preact,
-                                                   *experts.biases, out=out, preact_out=preact_out)
     y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, experts, act, save_preact, plan)
     if out is not None:
         out.copy_(y)
@@ -397,8 +399,12 @@ def _moe_ffn(
     T, K = ids.shape
     save = checkpoint == "activations"
     width = (2 if act.gated else 1) * h
-    chunks = _chunks(T, chunk_tokens)
     experts = _expert_weights(x, params, views, E)
+    if isinstance(experts, _KernelWeights):  # one plan; windows of chunk_tokens * K slots bound the transients
+        plan = _make_plan(ids, E, plan_block_m(x.device))
+        return _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
+                                                   window_slots=chunk_tokens * K)
+    chunks = _chunks(T, chunk_tokens)
     if len(chunks) == 1:
         return _forward_chunk(x, ids, weights, experts, E, act, save)
     y = x.new_empty(x.shape)
@@ -457,16 +463,9 @@ def _store_role(bufs: dict[int, Tensor], v: RoleView, E: int, grad: Tensor, accu
     dest.add_(grad) if accumulate else dest.copy_(grad)
 
 
-def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, accumulate, grad_tables):
+def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, accumulate):
+    """dx, dweights of these tokens (plain-PyTorch path); parameter gradients stored (or added) into bufs."""
     plan = _make_plan(ids, E, plan_block_m(x.device))
-    if isinstance(experts, _KernelWeights):
-        dx, dweights, *dbias = _triton_kernels()[2].expert_backward(
-            grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
-            grads=grad_tables, accumulate=accumulate)
-        for v, g in zip(views[3:], dbias):
-            if v is not None:
-                _store_role(bufs, v, E, g, accumulate)
-        return dx, dweights
     dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act)
     for v, g in zip(views, grads):
         if v is not None:
@@ -491,35 +490,47 @@ def _moe_ffn_backward(
     T, K = ids.shape
     grad_y = grad_y.contiguous()
     bufs = _grad_buffers(params, views, E)
-    chunks = _chunks(T, chunk_tokens)
     experts = _expert_weights(x, params, views, E)
-    triton_path = isinstance(experts, _KernelWeights)
-    # Weight gradients over more than two chunks: accumulated in float32 when that costs less than one
-    # chunk's transients, else (and over two chunks) in place in the parameters' dtype (one rounding per chunk).
-    acc32 = None
-    if triton_path:
-        weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
-        h = views[0].rows
-        chunk_bytes = chunk_tokens * K * ((3 if act.gated else 2) * h + x.shape[1]) * x.element_size()
-        if len(chunks) > 2 and 4 * weight_numel <= chunk_bytes:
-            acc32 = [None if v is None else torch.zeros((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
-                     for v in views[:3]]
-        tables = _triton_kernels()[3]
-        grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
-            *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
-    else:
-        grad_tables = None
+    if isinstance(experts, _KernelWeights):
+        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, chunk_tokens)
+    chunks = _chunks(T, chunk_tokens)
     dx = x.new_empty(x.shape) if len(chunks) > 1 else None
     dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
     for i, (t0, t1) in enumerate(chunks):
         pre = preact if preact.numel() == 0 or len(chunks) == 1 else preact[t0 * K: t1 * K]
         dx_c, dw_c = _backward_chunk(grad_y[t0:t1], x[t0:t1], ids[t0:t1], weights[t0:t1], experts, views, E, act, pre,
-                                     bufs, i > 0, grad_tables)
+                                     bufs, i > 0)
         if len(chunks) == 1:
             dx, dweights = dx_c, dw_c
         else:
             dx[t0:t1] = dx_c
             dweights[t0:t1] = dw_c
+    return dx, dweights, list(bufs.values())
+
+
+def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, chunk_tokens):
+    """The Triton path: one plan, windows of chunk_tokens * K slots. Weight gradients are written through
+    tables straight into ``bufs``; over more than two windows, into float32 buffers first when those cost
+    less than one window's transients (an expert spanning several windows is added to once per window:
+    in float32 there, else in place in the parameters' dtype)."""
+    fwd, bwd, tables = _triton_kernels()[1:]
+    T, K = ids.shape
+    window_slots = chunk_tokens * K
+    weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
+    h = views[0].rows
+    window_bytes = window_slots * ((3 if act.gated else 2) * h + x.shape[1]) * x.element_size()
+    acc32 = None
+    if fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
+        acc32 = [None if v is None else torch.empty((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
+                 for v in views[:3]]
+    grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
+        *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
+    plan = _make_plan(ids, E, plan_block_m(x.device))
+    dx, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
+                                               grads=grad_tables, window_slots=window_slots)
+    for v, g in zip(views[3:], dbias):
+        if v is not None:
+            _store_role(bufs, v, E, g, False)
     if acc32 is not None:
         for v, g in zip(views[:3], acc32):
             if v is not None:
@@ -583,8 +594,9 @@ def moe_ffn(
             and up), ``"silu"``, ``"gelu"``, ``"relu"`` (plain: ``experts.up`` is None).
         checkpoint: ``"activations"`` (save the pre-activations) or ``"recompute"`` (save only x,
             ids and weights; recompute the up projection in backward).
-        chunk_tokens: tokens per chunk (bounds the transient buffers); None picks
-            :func:`default_chunk_tokens`, 0 processes all tokens at once.
+        chunk_tokens: bounds the transient buffers to those of this many tokens (slot windows of
+            ``chunk_tokens * K`` on the Triton path, token chunks on the PyTorch path); None picks
+            :func:`default_chunk_tokens`, 0 processes everything at once.
     """
     if not isinstance(experts, ExpertParams):
         w_gate_up, w_down = experts

@@ -46,10 +46,12 @@ from .expert_fwd import (
     _check_table,
     _grouped_tile_ids,
     _table_ptr,
+    _window_tile,
     check_expert_inputs,
     combine,
     dot_precision,
     down_project,
+    slot_windows,
     table_align,
 )
 from .reference import Activation, DispatchPlan
@@ -65,24 +67,25 @@ _MAX_DH_BLOCK_N = 256
 @triton.jit
 def _dh_epilogue(
     acc_dh, acc_a, acc_b,  # [BLOCK_M, BLOCK_N] fp32: dH', and A, B (biases added) when RECOMPUTE
-    col0, start, end, pair, wt, h, alpha, limit,
-    preact_ptr,  # [N, 2h] or [N, h] x.dtype, read unless RECOMPUTE
-    dpre_ptr,  # [N, 2h] or [N, h] x.dtype, out
-    hw_ptr,  # [N, h] x.dtype, out
+    col0, start, first, end, slot0, pair, wt, h, alpha, limit,
+    preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype (the window's rows), read unless RECOMPUTE
+    dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out
+    hw_ptr,  # [slot1 - slot0, h] x.dtype, out
     part_ptr,  # [num_chunks, N] fp32, out
     stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
     ACT: tl.constexpr, GATED: tl.constexpr,
     RECOMPUTE: tl.constexpr, CHUNK_N: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """Activation backward for hidden columns [col0, col0 + BLOCK_N) of rows [start, end) (at most BLOCK_M),
-    the activation recomputed here. Addresses are a scalar 64-bit base per tile plus int32 offsets inside it:
-    per-element 64-bit pointers cost two registers each and made this epilogue spill."""
+    """Activation backward for hidden columns [col0, col0 + BLOCK_N) of rows [first, end) of the tile starting
+    at slot ``start`` (buffers hold the window's rows from slot0), the activation recomputed here. Addresses
+    are a scalar 64-bit base per tile plus int32 offsets inside it: per-element 64-bit pointers cost two
+    registers each and made this epilogue spill."""
     io_ty = dpre_ptr.dtype.element_ty
     BLOCK_M: tl.constexpr = wt.shape[0]
     local = tl.arange(0, BLOCK_M)
-    row_mask = local < end - start
-    local_ld = tl.minimum(local, end - 1 - start)
-    start64 = start.to(tl.int64)
+    row_mask = (local >= first - start) & (local < end - start)
+    local_ld = tl.minimum(tl.maximum(local, first - start), end - 1 - start)
+    start64 = (start - slot0).to(tl.int64)  # the tile's first row in the window's buffers (may be < 0)
     offs_n = col0 + tl.arange(0, BLOCK_N)
     if RECOMPUTE:  # round as the forward did, so both policies see the same A|B
         a = acc_a.to(io_ty).to(tl.float32)
@@ -143,15 +146,16 @@ def _expert_dh_kernel(
     gate_bias_ptr,  # [E, h] x.dtype contiguous, read when RECOMPUTE and HAS_GATE_BIAS
     up_bias_ptr,  # [E, h] x.dtype contiguous, read when RECOMPUTE and HAS_UP_BIAS
     weights_ptr,  # [T, K] any float dtype: routing weights
-    preact_ptr,  # [N, 2h] or [N, h] x.dtype: saved A|B in slot order, read unless RECOMPUTE
-    dpre_ptr,  # [N, 2h] or [N, h] x.dtype, out: dA|dB in slot order
-    hw_ptr,  # [N, h] x.dtype, out: w * H in slot order
+    preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype: saved A|B of the window's slots, read unless RECOMPUTE
+    dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out: dA|dB of the window's slots
+    hw_ptr,  # [slot1 - slot0, h] x.dtype, out: w * H of the window's slots
     part_ptr,  # [num_chunks, N] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by pair
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
-    tile_expert_ptr,  # [num_tiles] int32
-    tile_start_ptr,  # [num_tiles] int32
-    num_tiles, d, h, K,
+    tile_expert_ptr,  # [tiles_total] int32
+    tile_start_ptr,  # [tiles_total] int32
+    tile0_ptr,  # [1] int32: the window's first row tile
+    num_tiles, tiles_total, slot0, slot1, d, h, K,
     stride_g_t, stride_g_d,
     stride_x_t, stride_x_d,
     stride_wg_n, stride_wg_d,
@@ -173,18 +177,18 @@ def _expert_dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (num_tiles * cdiv(h, SPLIT_N * BLOCK_N),): SPLIT_N side-by-side BLOCK_M x BLOCK_N tiles of dH'
-    per program (SPLIT_N = 2: a 128-wide tile for the GEMM, whose epilogue runs 64 columns at a time so its
-    registers fit), or one tile of dH', A and B (RECOMPUTE, SPLIT_N = 1)."""
+    """grid = (num_tiles * cdiv(h, SPLIT_N * BLOCK_N),), over the row tiles of the slot window [slot0, slot1):
+    SPLIT_N side-by-side BLOCK_M x BLOCK_N tiles of dH' per program (SPLIT_N = 2: a 128-wide tile for the
+    GEMM, whose epilogue runs 64 columns at a time so its registers fit), or one tile of dH', A and B
+    (RECOMPUTE, SPLIT_N = 1)."""
     tl.static_assert(SPLIT_N == 1 or (SPLIT_N == 2 and not RECOMPUTE))
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, SPLIT_N * BLOCK_N), GROUP_M)
-    e = tl.load(tile_expert_ptr + pid_m)
+    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+                                        offsets_ptr, slot0, slot1)
     if e < 0:
         return
-    start = tl.load(tile_start_ptr + pid_m)
-    end = tl.load(offsets_ptr + e + 1)
     rows = start + tl.arange(0, BLOCK_M)
-    rows_ld = tl.minimum(rows, end - 1)
+    rows_ld = tl.minimum(tl.maximum(rows, first), end - 1)
     pair = tl.load(token_index_ptr + rows_ld)
     tok = (pair // K).to(tl.int64)
     w_ty = grad_y_ptr.dtype.element_ty
@@ -255,12 +259,12 @@ def _expert_dh_kernel(
             acc_a += tl.load(gate_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
         if HAS_UP_BIAS:
             acc_b += tl.load(up_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
-    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, end, pair, wt, h, alpha, limit,
+    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, first, end, slot0, pair, wt, h, alpha, limit,
                  preact_ptr, dpre_ptr, hw_ptr, part_ptr,
                  stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
                  ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
     if SPLIT_N == 2:
-        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, end, pair, wt, h, alpha, limit,
+        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, first, end, slot0, pair, wt, h, alpha, limit,
                      preact_ptr, dpre_ptr, hw_ptr, part_ptr,
                      stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
                      ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
@@ -272,12 +276,14 @@ def _expert_dh_kernel(
 })
 @triton.jit
 def _expert_dw_kernel(
-    a_ptr,  # GATHER_A: [T, m_dim] read at row token(s) (dy); else [N, m_dim] slot order (dA or dB)
-    b_ptr,  # GATHER_B: [T, n_dim] read at row token(s) (x);  else [N, n_dim] slot order (w*H)
+    a_ptr,  # GATHER_A: [T, m_dim] read at row token(s) (dy); else [slot1 - slot0, m_dim], the window's slots (dA, dB)
+    b_ptr,  # GATHER_B: [T, n_dim] read at row token(s) (x);  else [slot1 - slot0, n_dim], the window's slots (w*H)
     out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), x.dtype or fp32 (OUT_FP32)
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
     m_dim, n_dim, K,
+    slot0, slot1,  # the slot window whose contribution this launch computes
+    own_end,  # experts starting in [slot0, own_end) are written by this window (own_end = slot1, N + 1 for the last)
     stride_a_r, stride_a_m,
     stride_b_r, stride_b_n,
     stride_o_m, stride_o_n,
@@ -288,10 +294,11 @@ def _expert_dw_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
-    the contraction running over that expert's slots BLOCK_K at a time (full chunks unmasked, then one
-    masked tail). dW[e] = contribution (experts with no slots: zeros), or dW[e] + contribution when
-    ACCUMULATE (loaded in its dtype, the contribution summed onto it in fp32; experts with no slots left
-    untouched)."""
+    the contraction running over that expert's slots inside the window BLOCK_K at a time (full chunks
+    unmasked, then one masked tail). An expert whose slots start in this window (or an expert with no slots
+    placed here) gets dW[e] = contribution (zeros for no slots); one whose slots started in an earlier
+    window gets dW[e] + contribution (loaded in its dtype, summed in fp32); the rest are not touched. With
+    ACCUMULATE every expert with slots in the window gets dW[e] + contribution, the others are not touched."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
@@ -299,9 +306,18 @@ def _expert_dw_kernel(
     pid_m, pid_n = _grouped_tile_ids(pid % (num_m * num_n), num_m, num_n, GROUP_M)
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
+    seg_lo = tl.maximum(lo, slot0)
+    seg_hi = tl.minimum(hi, slot1)
     if ACCUMULATE:
-        if hi <= lo:
+        if seg_hi <= seg_lo:
             return
+        add_rows = m_dim
+    else:
+        add = lo < slot0  # e's slots started in an earlier window: add to what that one wrote
+        if (seg_hi <= seg_lo) & (add | (lo >= own_end)):  # nothing here, and not this window's to zero
+            return
+        add_rows = tl.where(add, m_dim, 0)  # rows of C to start from (a row bound: a block mask the
+        # interpreter accepts, where a scalar flag broadcast into the mask is not)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -314,53 +330,54 @@ def _expert_dw_kernel(
     else:
         offs_n_ld = offs_n % n_dim
     offs_s = tl.arange(0, BLOCK_K)
+    add_mask = offs_m[:, None] < add_rows
     if EVEN_M and EVEN_N:
         out_mask = None
     else:
         out_mask = (offs_m < m_dim)[:, None] & (offs_n < n_dim)[None, :]
+        add_mask = add_mask & (offs_n < n_dim)[None, :]
     if OUT_FP32:
         out_e = _table_ptr(out_table_ptr, e, tl.float32, O_ALIGN)
     else:
         out_e = _table_ptr(out_table_ptr, e, a_ptr.dtype.element_ty, O_ALIGN)
     out_ptrs = out_e + offs_m[:, None].to(tl.int64) * stride_o_m + offs_n[None, :].to(tl.int64) * stride_o_n
-    if ACCUMULATE:
-        # The accumulator starts from C (fp32): loaded here, while no accumulator is live yet; loading it
-        # after the loop needs a second 128x256 fp32 tile in registers and spilled (sm_90 SASS).
-        acc = tl.load(out_ptrs, mask=out_mask).to(tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The accumulator starts from C when adding (fp32; a predicated load, so zeros otherwise): loaded here,
+    # while no accumulator is live yet; loading it after the loop needs a second 128x256 fp32 tile in
+    # registers and spilled (sm_90 SASS).
+    acc = tl.load(out_ptrs, mask=add_mask, other=0.0).to(tl.float32)
 
     # Token rows of the gathered operand are loaded one chunk ahead (a loop-carried register prefetch):
     # the tile loads then depend on a loop-carried value, not on a load of the same iteration, so the
     # pipeliner can keep several chunks in flight.
-    s = lo + offs_s
+    # Slot-ordered operands hold the window's rows: row = slot - slot0.
+    s = seg_lo + offs_s
     if GATHER_A or GATHER_B:
-        tok = (tl.load(token_index_ptr + s, mask=s < hi, other=0) // K).to(tl.int64)
+        tok = (tl.load(token_index_ptr + s, mask=s < seg_hi, other=0) // K).to(tl.int64)
     else:
         tok = s.to(tl.int64)
-    n_full = (hi - lo) // BLOCK_K
+    n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     for i in range(0, n_full):
         s_next = s + BLOCK_K
         if GATHER_A or GATHER_B:
-            tok_next = (tl.load(token_index_ptr + s_next, mask=s_next < hi, other=0) // K).to(tl.int64)
+            tok_next = (tl.load(token_index_ptr + s_next, mask=s_next < seg_hi, other=0) // K).to(tl.int64)
         else:
             tok_next = s_next.to(tl.int64)
         if GATHER_A:
             ra = tok
         else:
-            ra = s.to(tl.int64)
+            ra = (s - slot0).to(tl.int64)
         if GATHER_B:
             rb = tok
         else:
-            rb = s.to(tl.int64)
+            rb = (s - slot0).to(tl.int64)
         a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
         b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         s = s_next
         tok = tok_next
-    if lo + n_full * BLOCK_K < hi:  # ragged tail of this expert's slots (its rows are already in tok)
-        s_mask = s < hi
-        s_ld = tl.minimum(s, hi - 1).to(tl.int64)
+    if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots (its rows are already in tok)
+        s_mask = s < seg_hi
+        s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(tl.int64)
         if GATHER_A:
             ra = tok
         else:
@@ -379,27 +396,27 @@ def _expert_dw_kernel(
 @triton.heuristics({"EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _expert_bias_grad_kernel(
-    src_ptr,  # GATHER: [T, n_dim] read at token rows (dy); else [N, n_dim] slot order (dA or dB columns)
+    src_ptr,  # GATHER: [T, n_dim] read at token rows (dy); else [slot1 - slot0, n_dim], the window's slots (dA, dB)
     weights_ptr,  # [T, K] any float dtype: scales each row when SCALE
     bias_ptr,  # [E, n_dim] contiguous: when DOT, <row, bias[e]> of each slot goes to part
-    out_ptr,  # [E, n_dim] fp32 contiguous, out: sum over e's slots of (w *) row
+    out_ptr,  # [E, n_dim] fp32 contiguous, out: sum over e's slots in the window of (w *) row
     part_ptr,  # [cdiv(n_dim, BLOCK_N), N] fp32, out when DOT: by pair, one row per column block
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
-    n_dim, K,
+    n_dim, K, slot0, slot1,
     stride_src_r, stride_src_n,
     stride_wt_t, stride_wt_k,
     stride_part_c,
     GATHER: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (E, cdiv(n_dim, BLOCK_N)): a segment sum over one expert's slots, BLOCK_S rows at a time into a
-    [BLOCK_S, BLOCK_N] fp32 accumulator reduced once at the end (fixed order: deterministic, no atomics).
-    Experts with no slots write zeros."""
+    """grid = (E, cdiv(n_dim, BLOCK_N)): a segment sum over one expert's slots in the window [slot0, slot1),
+    BLOCK_S rows at a time into a [BLOCK_S, BLOCK_N] fp32 accumulator reduced once at the end (fixed order:
+    deterministic, no atomics). Experts with no slots there write zeros."""
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
-    lo = tl.load(offsets_ptr + e)
-    hi = tl.load(offsets_ptr + e + 1)
+    lo = tl.maximum(tl.load(offsets_ptr + e), slot0)
+    hi = tl.minimum(tl.load(offsets_ptr + e + 1), slot1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_dim
     if EVEN_N:
@@ -419,7 +436,7 @@ def _expert_bias_grad_kernel(
         if GATHER:
             r = (pair // K).to(tl.int64)
         else:
-            r = s.to(tl.int64)
+            r = (s - slot0).to(tl.int64)
         v = tl.load(src_ptr + r[:, None] * stride_src_r + offs_n_ld[None, :] * stride_src_n,
                     mask=s_mask[:, None], other=0.0).to(tl.float32)
         if DOT:
@@ -442,9 +459,9 @@ _DW_TUNED_KEYS: set[tuple] = set()
 
 
 def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,
-                 accumulate: bool) -> None:
-    """dW[e] (+)= sum over e's slots of a[row].T @ b[row], written through the table ``out``; rows are tokens
-    (gathered) or slots."""
+                 accumulate: bool, window: tuple[int, int, int]) -> None:
+    """dW[e] (+)= sum over e's slots in the window of a[row].T @ b[row], written through the table ``out``;
+    rows are tokens (gathered) or the window's slots. ``window`` = (slot0, slot1, own_end): see the kernel."""
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
@@ -456,18 +473,19 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
-            a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K,
+            a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
             GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc,
             O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
         )
 
     key = (m_dim, n_dim, gather_a, a.dtype, b.dtype, out.dtype)
-    if accumulate and autotune.autotuning() and key not in _DW_TUNED_KEYS:
+    adds = accumulate or window[0] > 0  # windows after the first add onto experts started earlier
+    if adds and autotune.autotuning() and key not in _DW_TUNED_KEYS:
         # The autotuner runs a kernel many times while timing it: an accumulating launch would add its
         # contribution once per run. Tune on a scratch output first (every expert writes the same
-        # [m, n] buffer with the real table's strides: garbage, never read); ACCUMULATE is not part of the
-        # tuning key, so the real launch below reuses the chosen configuration without timing.
+        # [m, n] buffer with the real table's strides: garbage, never read); ACCUMULATE and the window are
+        # not part of the tuning key, so the real launch below reuses the chosen configuration untimed.
         scratch = torch.empty(((m_dim - 1) * out.stride_r + (n_dim - 1) * out.stride_c + 1,), dtype=out.dtype,
                               device=a.device)
         ptrs = torch.full((E,), scratch.data_ptr(), dtype=torch.int64, device=a.device)
@@ -478,9 +496,12 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
 
 
 def _bias_grad(src: Tensor, gather: bool, weights: Tensor | None, plan: DispatchPlan, K: int, E: int,
-               dot_bias: Tensor | None = None, part: Tensor | None = None) -> Tensor:
-    """fp32 [E, n]: per expert, the sum over its slots of (w *) src[row]; with ``dot_bias``, also
-    <src[row], dot_bias[e]> per pair into ``part`` (one row per column block)."""
+               dot_bias: Tensor | None = None, part: Tensor | None = None,
+               window: tuple[int, int] | None = None) -> Tensor:
+    """fp32 [E, n]: per expert, the sum over its slots in ``window`` (default: all) of (w *) src[row] (rows:
+    tokens when ``gather``, else the window's slots); with ``dot_bias``, also <src[row], dot_bias[e]> per
+    pair into ``part`` (one row per column block)."""
+    slot0, slot1 = window if window is not None else (0, plan.token_index.numel())
     n_dim = src.shape[1]
     out = torch.empty((E, n_dim), dtype=torch.float32, device=src.device)
     if E == 0 or n_dim == 0:
@@ -491,7 +512,7 @@ def _bias_grad(src: Tensor, gather: bool, weights: Tensor | None, plan: Dispatch
     grid = (E, triton.cdiv(n_dim, block_n))
     _expert_bias_grad_kernel[grid](
         src, w, dot_bias if dot_bias is not None else src, out, part if part is not None else out,
-        plan.token_index, plan.offsets, n_dim, K,
+        plan.token_index, plan.offsets, n_dim, K, slot0, slot1,
         src.stride(0), src.stride(1), *sw, part.stride(0) if part is not None else 0,
         GATHER=gather, SCALE=weights is not None, DOT=dot_bias is not None,
         BLOCK_S=16 if autotune.interpreting() else 32, BLOCK_N=block_n, num_warps=4,
@@ -520,7 +541,7 @@ def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor) -> None:
 def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables, preact: Tensor,
                     plan: DispatchPlan, activation: "Activation | str",
                     gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                    *, grads: ExpertTables, accumulate: bool = False,
+                    *, grads: ExpertTables, accumulate: bool = False, window_slots: int = 0,
                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, d_gate_bias, d_up_bias, d_down_bias).
 
@@ -528,7 +549,12 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     overwritten, or added to when ``accumulate`` (experts with no slots: zeros, or left as they are). Bias
     gradients are float32 ``[E, h]``, ``[E, h]``, ``[E, d]``, None where the bias is None.
     ``preact.numel() == 0`` means recompute A|B (the "recompute" policy); otherwise it is the forward's
-    slot-order ``[T*K, 2h]`` (``[T*K, h]`` for a plain activation)."""
+    slot-order ``[T*K, 2h]`` (``[T*K, h]`` for a plain activation).
+
+    ``window_slots`` > 0 runs the slots in windows of at most that many (:func:`~.expert_fwd.slot_windows`),
+    bounding the transients dA|dB, w*H and dX to that many rows. An expert whose slots span several windows
+    gets its weight gradient added to in place (one rounding to the gradient's dtype per window it spans),
+    and dx accumulates across windows in x's dtype (one rounding per window a token's slots fall in)."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     check_grad_tables(grads, w, x)
     N = T * K
@@ -543,67 +569,76 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         raise ValueError(f"preact must be empty (recompute) or [T*K, {'2h' if act.gated else 'h'}] = {(N, width)} "
                          f"of {x.dtype}, got {tuple(preact.shape)} of {preact.dtype}")
 
-    dx = x.new_zeros((T, d)) if N == 0 or h == 0 or d == 0 else x.new_empty((T, d))
-    num_tiles = plan.tile_expert.numel()
+    busy = N > 0 and h > 0 and d > 0  # some GEMM has work
+    dx = x.new_empty((T, d)) if busy else x.new_zeros((T, d))
     chunk = autotune.dweights_chunk()
     num_chunks = triton.cdiv(h, chunk)
     # Rows of the routing-weight partials: first the <dy, b_down> ones (one per column block of d), then the
     # <dH', H> chunks, then spare chunks a program's columns may run into.
     bias_rows = triton.cdiv(d, _bias_grad_block_n(d)) if down_bias is not None and d > 0 else 0
     part = torch.zeros((bias_rows + num_chunks + _MAX_DH_BLOCK_N // chunk, N), dtype=torch.float32, device=x.device)
-    dpre = x.new_empty((N, width))
-    hw = x.new_empty((N, h))
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
-
-    if N > 0 and h > 0 and d > 0:
-        pre = dpre if recompute else preact  # placeholder pointer when recomputing, never read
-
-        def grid(meta):
-            width_n = meta["BLOCK_N"] * meta["SPLIT_N"]
-            assert width_n <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
-            return (num_tiles * triton.cdiv(h, width_n),)
-
-        autotune.launch(
-            _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
-            "dh_recompute" if recompute else "dh", grid,
-            grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
-            gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
-            weights, pre, dpre, hw, part[bias_rows:],
-            plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start,
-            num_tiles, d, h, K,
-            grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
-            w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
-            weights.stride(0), weights.stride(1),
-            pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
-            part.stride(0),
-            float(act.alpha), float(act.limit),
-            ACT=ACT_CODES[act.name], GATED=act.gated,
-            HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-            W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-            RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-        )
     d_down_bias = None
     if down_bias is not None:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> into part
         d_down_bias = _bias_grad(grad_y, True, weights, plan, K, E, dot_bias=down_bias, part=part)
-    dweights = part[:bias_rows + num_chunks].sum(0).view(T, K).to(weights.dtype)
-    del part
     skip = accumulate and N == 0  # nothing to add
-    if not skip:
-        _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate)  # [E, d, h]
-    del hw
-    if N > 0 and h > 0 and d > 0:
-        dx_slots = x.new_empty((N, d))
-        # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
-        down_project(dpre, h, (w.gate.ptrs, w.gate.stride_r, w.gate.stride_c),
-                     (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
-                     table_align(w.gate, w.up), d, plan, dx_slots)
-    if not skip:
-        _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate)  # [E, h, d]
-        if act.gated:
-            _weight_grad(dpre[:, h:], x, False, grads.up, plan, K, accumulate)  # [E, h, d]
-    d_gate_bias = _bias_grad(dpre[:, :h], False, None, plan, K, E) if gate_bias is not None else None
-    d_up_bias = _bias_grad(dpre[:, h:], False, None, plan, K, E) if up_bias is not None else None
-    del dpre
-    if N > 0 and h > 0 and d > 0:
-        combine(dx_slots, None, plan.slot_of, T, K, dx)
+    d_gate_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if gate_bias is not None else None
+    d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None else None
+
+    windows = slot_windows(plan, window_slots)
+    for i, win in enumerate(windows):
+        s0, s1 = win.slot0, win.slot1
+        n = s1 - s0
+        dw_window = (s0, s1, s1 if i + 1 < len(windows) else N + 1)
+        dpre = x.new_empty((n, width))  # transients: the window's dA|dB, w*H
+        hw = x.new_empty((n, h))
+        if busy:
+            pre = dpre if recompute else preact[s0:]  # placeholder pointer when recomputing, never read
+
+            def grid(meta, num_tiles=win.num_tiles):
+                width_n = meta["BLOCK_N"] * meta["SPLIT_N"]
+                assert width_n <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
+                return (num_tiles * triton.cdiv(h, width_n),)
+
+            autotune.launch(
+                _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
+                "dh_recompute" if recompute else "dh", grid,
+                grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
+                gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+                weights, pre, dpre, hw, part[bias_rows:],
+                plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
+                win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
+                grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
+                w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
+                weights.stride(0), weights.stride(1),
+                pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
+                part.stride(0),
+                float(act.alpha), float(act.limit),
+                ACT=ACT_CODES[act.name], GATED=act.gated,
+                HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+                W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
+                RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+            )
+        if not skip:
+            _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
+        del hw
+        if busy:
+            dx_slots = x.new_empty((n, d))
+            # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
+            down_project(dpre, h, (w.gate.ptrs, w.gate.stride_r, w.gate.stride_c),
+                         (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
+                         table_align(w.gate, w.up), d, plan, dx_slots, window=win)
+        if not skip:
+            _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate, dw_window)  # [E, h, d]
+            if act.gated:
+                _weight_grad(dpre[:, h:], x, False, grads.up, plan, K, accumulate, dw_window)  # [E, h, d]
+        if gate_bias is not None:
+            d_gate_bias += _bias_grad(dpre[:, :h], False, None, plan, K, E, window=(s0, s1))
+        if up_bias is not None:
+            d_up_bias += _bias_grad(dpre[:, h:], False, None, plan, K, E, window=(s0, s1))
+        del dpre
+        if busy:
+            combine(dx_slots, None, plan.slot_of, T, K, dx, (s0, s1), accumulate=i > 0)
+            del dx_slots
+    dweights = part[:bias_rows + num_chunks].sum(0).view(T, K).to(weights.dtype)
     return dx, dweights, d_gate_bias, d_up_bias, d_down_bias

@@ -44,6 +44,8 @@ untuned, so the operator may prefer the plain-PyTorch path for fp32.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -54,7 +56,8 @@ from .autotune import plan_block_m
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
 from .tables import ExpertTables, WeightTable
 
-__all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align", "ACT_CODES"]
+__all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align", "ACT_CODES", "SlotWindow",
+           "slot_windows", "num_slot_windows"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -92,6 +95,24 @@ def _table_ptr(table_ptr, e, elem_ty: tl.constexpr, ALIGN: tl.constexpr):
     if ALIGN > 1:  # on the pointer: a hint on the integer does not survive the cast (checked in the sm_90 SASS)
         ptr = tl.multiple_of(ptr, ALIGN)
     return ptr
+
+
+@triton.jit
+def _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot0, slot1):
+    """Row tile ``pid_m`` of a launch over the slot window [slot0, slot1), counted from the window's first
+    tile (``tile0_ptr``, computed on the device): (expert, tile start, first row, end row). The rows a
+    program owns are [first, end): the tile's rows clipped to the window (a tile cut by a window boundary is
+    computed by both windows, each storing its own rows). Expert -1: nothing to do (past the plan's last
+    tile, or the tile lies outside the window)."""
+    t = pid_m + tl.load(tile0_ptr)
+    inside = t < tiles_total
+    t = tl.minimum(t, tiles_total - 1)
+    e = tl.load(tile_expert_ptr + t)
+    start = tl.load(tile_start_ptr + t)
+    end = tl.minimum(tl.load(offsets_ptr + tl.maximum(e, 0) + 1), slot1)
+    first = tl.maximum(start, slot0)
+    e = tl.where(inside & (e >= 0) & (first < end), e, -1)
+    return e, start, first, end
 
 
 @triton.jit
@@ -182,13 +203,14 @@ def _expert_up_kernel(
     up_table_ptr,  # [E] int64: W_up[e] [h, d], read when GATED
     gate_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_GATE_BIAS
     up_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_UP_BIAS
-    hid_ptr,  # [N, h] x.dtype, out: H = act(A, B), slot order
-    preact_ptr,  # [N, 2h] (gated) or [N, h] x.dtype, out when SAVE_PREACT: A|B, slot order
+    hid_ptr,  # [slot1 - slot0, h] x.dtype, out: H = act(A, B), the window's slots
+    preact_ptr,  # [slot1 - slot0, 2h] (gated) or [.., h] x.dtype, out when SAVE_PREACT: A|B, the window's slots
     token_index_ptr,  # [N] int32: pair of each slot
     offsets_ptr,  # [E+1] int32: first slot of each expert
-    tile_expert_ptr,  # [num_tiles] int32: expert of each row tile, -1 past the last
-    tile_start_ptr,  # [num_tiles] int32: first slot of each row tile
-    num_tiles, d, h, K,
+    tile_expert_ptr,  # [tiles_total] int32: expert of each row tile, -1 past the last
+    tile_start_ptr,  # [tiles_total] int32: first slot of each row tile
+    tile0_ptr,  # [1] int32: the window's first row tile
+    num_tiles, tiles_total, slot0, slot1, d, h, K,
     stride_x_t, stride_x_d,
     stride_wg_n, stride_wg_d,
     stride_wu_n, stride_wu_d,
@@ -203,17 +225,17 @@ def _expert_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of A (and of B) per program."""
+    """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of A (and of B) per program, over
+    the row tiles of the slot window [slot0, slot1) (num_tiles: a bound on their count)."""
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
-    e = tl.load(tile_expert_ptr + pid_m)
+    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+                                        offsets_ptr, slot0, slot1)
     if e < 0:
         return
-    start = tl.load(tile_start_ptr + pid_m)
-    end = tl.load(offsets_ptr + e + 1)
     rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    # Rows past the tile's end re-read the tile's last row: loads need no row mask, stores keep one.
-    pair = tl.load(token_index_ptr + tl.minimum(rows, end - 1))
+    row_mask = (rows >= first) & (rows < end)
+    # Rows outside [first, end) re-read a row of the tile: loads need no row mask, stores keep one.
+    pair = tl.load(token_index_ptr + tl.minimum(tl.maximum(rows, first), end - 1))
     tok = (pair // K).to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,7 +281,7 @@ def _expert_up_kernel(
         acc_b += tl.load(up_bias_ptr + e64 * h + offs_n_ld).to(tl.float32)[None, :]
     out_ty = hid_ptr.dtype.element_ty
     a = acc_a.to(out_ty)
-    rows64 = rows.to(tl.int64)
+    rows64 = (rows - slot0).to(tl.int64)  # row in the window's buffers
     if EVEN_N:
         mask = row_mask[:, None]
     else:
@@ -304,15 +326,16 @@ def _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b_k,
 })
 @triton.jit
 def _expert_down_kernel(
-    a_ptr,  # [N, k_dim] (or [N, 2*k_dim] when TWO_B) slot order: H (forward) or dA|dB (backward dX)
+    a_ptr,  # [slot1 - slot0, k_dim] (or [.., 2*k_dim] when TWO_B), the window's slots: H or dA|dB (for dX)
     b0_table_ptr,  # [E] int64: B0[e] [k_dim, n_dim] via (stride_b0_k, stride_b0_n): W_down[e].T or W_gate[e]
     b1_table_ptr,  # [E] int64: B1[e] [k_dim, n_dim] via (stride_b1_k, stride_b1_n): W_up[e], read when TWO_B
     bias_ptr,  # [E, n_dim] contiguous, a_ptr's dtype: added to C when HAS_BIAS (the down bias)
-    c_ptr,  # [N, n_dim] out, slot order: Y (forward) or dX per slot (backward)
+    c_ptr,  # [slot1 - slot0, n_dim] out, the window's slots: Y (forward) or dX per slot (backward)
     offsets_ptr,  # [E+1] int32
-    tile_expert_ptr,  # [num_tiles] int32
-    tile_start_ptr,  # [num_tiles] int32
-    num_tiles, n_dim, k_dim,
+    tile_expert_ptr,  # [tiles_total] int32
+    tile_start_ptr,  # [tiles_total] int32
+    tile0_ptr,  # [1] int32: the window's first row tile
+    num_tiles, tiles_total, slot0, slot1, n_dim, k_dim,
     stride_a_s, stride_a_k,
     stride_b0_k, stride_b0_n,
     stride_b1_k, stride_b1_n,
@@ -322,17 +345,17 @@ def _expert_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e,
-    C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e])."""
+    """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e in the slot window
+    [slot0, slot1), C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e]);
+    rows index the window's buffers from slot0."""
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
-    e = tl.load(tile_expert_ptr + pid_m)
+    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+                                        offsets_ptr, slot0, slot1)
     if e < 0:
         return
-    start = tl.load(tile_start_ptr + pid_m)
-    end = tl.load(offsets_ptr + e + 1)
     rows = start + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    rows_ld = tl.minimum(rows, end - 1).to(tl.int64)
+    row_mask = (rows >= first) & (rows < end)
+    rows_ld = (tl.minimum(tl.maximum(rows, first), end - 1) - slot0).to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if EVEN_N:
@@ -359,50 +382,54 @@ def _expert_down_kernel(
         mask = row_mask[:, None]
     else:
         mask = row_mask[:, None] & (offs_n < n_dim)[None, :]
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_s + offs_n[None, :] * stride_c_n
+    c_ptrs = c_ptr + (rows - slot0).to(tl.int64)[:, None] * stride_c_s + offs_n[None, :] * stride_c_n
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BLOCK_D"] == 0})
 @triton.jit
 def _expert_combine_kernel(
-    y_ptr,  # [N, d] slot order: per-slot expert outputs (or per-slot dX in the backward)
+    y_ptr,  # [slot1 - slot0, d], the window's slots: per-slot expert outputs (or per-slot dX in the backward)
     weights_ptr,  # [T, K] any float dtype, read when HAS_WEIGHTS
     slot_of_ptr,  # [N] int32: slot of each pair, -1 when unrouted
-    out_ptr,  # [T, d] out
-    T, d, K,
+    out_ptr,  # [T, d] out (added to when ACCUMULATE)
+    T, d, K, slot0, slot1,
     stride_y_s, stride_y_d,
     stride_wt_t, stride_wt_k,
     stride_o_t, stride_o_d,
-    HAS_WEIGHTS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """grid = (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)): out[t] = sum_k w[t, k] * y[slot_of[t*K + k]] in fp32,
-    k in ascending order (deterministic, no atomics)."""
+    """grid = (cdiv(T, BLOCK_T), cdiv(d, BLOCK_D)): out[t] (+)= sum_k w[t, k] * y[slot_of[t*K + k] - slot0]
+    over the pairs whose slot lies in [slot0, slot1), in fp32, k in ascending order (deterministic, no
+    atomics); with ACCUMULATE the sum starts from out[t] (read in its dtype, one rounding per window)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_mask = offs_t < T
     offs_t64 = offs_t.to(tl.int64)
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if EVEN_D:
+        out_mask = t_mask[:, None]
+    else:
+        out_mask = t_mask[:, None] & (offs_d < d)[None, :]
+    out_ptrs = out_ptr + offs_t64[:, None] * stride_o_t + offs_d[None, :] * stride_o_d
+    if ACCUMULATE:
+        acc = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in range(0, K):
         slot = tl.load(slot_of_ptr + offs_t64 * K + k, mask=t_mask, other=-1)
-        valid = slot >= 0
+        valid = (slot >= slot0) & (slot < slot1)  # unrouted pairs (-1) never are
         if EVEN_D:
             mask = valid[:, None]
         else:
             mask = valid[:, None] & (offs_d < d)[None, :]
-        y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * stride_y_s + offs_d[None, :] * stride_y_d,
+        y = tl.load(y_ptr + (slot - slot0).to(tl.int64)[:, None] * stride_y_s + offs_d[None, :] * stride_y_d,
                     mask=mask, other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
             wk = tl.load(weights_ptr + offs_t64 * stride_wt_t + k * stride_wt_k, mask=valid, other=0.0)
             y = y * wk.to(tl.float32)[:, None]
         acc += y
-    if EVEN_D:
-        mask = t_mask[:, None]
-    else:
-        mask = t_mask[:, None] & (offs_d < d)[None, :]
-    tl.store(out_ptr + offs_t64[:, None] * stride_o_t + offs_d[None, :] * stride_o_d,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 _expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT"])
@@ -499,17 +526,69 @@ def check_expert_inputs(x: Tensor, weights: Tensor, w: ExpertTables, plan: Dispa
     return T, d, K, E, h, act
 
 
+class SlotWindow(NamedTuple):
+    """A range [slot0, slot1) of the plan's slots (expert-major order) that one round of launches covers.
+
+    The per-slot transients of a round (H, Y, dA|dB, w*H, dX per slot) hold only the window's rows, so the
+    window bounds them; each expert's weights are read by the windows its slots fall in, so, unlike
+    chunks of tokens, a window does not re-read every weight."""
+
+    slot0: int
+    slot1: int
+    tile0: Tensor  # [1] int32 on the device: the first row tile that meets the window
+    num_tiles: int  # a bound on the row tiles that meet the window: the launches' grid
+
+
+def num_slot_windows(num_slots: int, window_slots: int) -> int:
+    """How many windows :func:`slot_windows` makes of ``num_slots`` slots."""
+    if window_slots < 0:
+        raise ValueError(f"window_slots must be >= 0 (0: one window), got {window_slots}")
+    return triton.cdiv(num_slots, window_slots) if 0 < window_slots < num_slots else 1
+
+
+def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
+    """Windows of at most ``window_slots`` slots (0: one window of all N), as equal as possible.
+
+    The row tiles meeting a window are a contiguous run of the plan's tiles (they are in slot order); the
+    first one is found on the device (a search over the tiles' ends), so there is no host synchronisation.
+    A window of n slots meets at most ``max_tiles(n, E, block_m) + 1`` tiles (one per expert for its ragged
+    end, plus one cut by the window's start)."""
+    N = plan.token_index.numel()
+    total = plan.tile_expert.numel()
+    E = plan.offsets.numel() - 1
+    dev = plan.token_index.device
+    count = num_slot_windows(N, window_slots)
+    if count == 1:
+        return [SlotWindow(0, N, torch.zeros(1, dtype=torch.int32, device=dev), total)]
+    step = triton.cdiv(N, count)
+    bm = plan_block_m()
+    te = plan.tile_expert.long()
+    ends = torch.minimum(plan.tile_start.long() + bm, plan.offsets.long()[te.clamp(min=0) + 1])
+    ends = torch.where(te >= 0, ends, torch.iinfo(torch.int64).max)  # unused tiles: after every slot
+    starts = torch.arange(0, N, step, device=dev, dtype=torch.int64)
+    firsts = torch.searchsorted(ends, starts, right=True).to(torch.int32)  # first tile ending after slot0
+    return [SlotWindow(s0, min(s0 + step, N), firsts[i: i + 1], min(total, max_tiles(min(step, N - s0), E, bm) + 1))
+            for i, s0 in enumerate(range(0, N, step))]
+
+
+def _whole(plan: DispatchPlan) -> SlotWindow:
+    return slot_windows(plan, 0)[0]
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 operands: IEEE products (torch's default for fp32 matmul is no tf32); 16-bit: tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[Tensor, int, int] | None,
-                 b_align: int, n_dim: int, plan: DispatchPlan, out: Tensor, bias: Tensor | None = None) -> Tensor:
-    """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot.
+                 b_align: int, n_dim: int, plan: DispatchPlan, out: Tensor, bias: Tensor | None = None,
+                 window: SlotWindow | None = None) -> Tensor:
+    """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot
+    of ``window`` (default: all), ``a`` and ``out`` holding the window's rows from its first slot.
 
     ``b0``/``b1`` are (pointer table, stride_k, stride_n): B[e][k, n] at ``ptrs[e] + k*stride_k + n*stride_n``."""
-    num_tiles = plan.tile_expert.numel()
+    window = window or _whole(plan)
+    num_tiles = window.num_tiles
     if num_tiles == 0 or out.numel() == 0:
         return out
     two_b = b1 is not None
@@ -521,7 +600,7 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
     autotune.launch(
         _expert_down_kernel, _expert_down_tuned, "down", grid,
         a, b0[0], b1[0], bias if bias is not None else a, out, plan.offsets, plan.tile_expert, plan.tile_start,
-        num_tiles, n_dim, k_dim,
+        window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0, window.slot1, n_dim, k_dim,
         a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
         TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
@@ -529,8 +608,12 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
     return out
 
 
-def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor) -> Tensor:
-    """out[t] = sum_k w[t, k] * y_slots[slot_of[t*K + k]] (w = 1 when weights is None), fp32 accumulation."""
+def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
+            window: tuple[int, int] | None = None, accumulate: bool = False) -> Tensor:
+    """out[t] (+)= sum_k w[t, k] * y_slots[slot_of[t*K + k] - slot0] over the pairs whose slot lies in
+    ``window`` = (slot0, slot1) (default: every routed pair; w = 1 when weights is None), fp32 accumulation.
+    ``accumulate``: add onto ``out`` (one rounding to out's dtype per call)."""
+    slot0, slot1 = window if window is not None else (0, slot_of.numel())
     d = out.shape[1]
     if T == 0 or d == 0:
         return out
@@ -540,9 +623,9 @@ def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K:
     sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
     _expert_combine_kernel[grid](
-        y_slots, w, slot_of, out, T, d, K,
+        y_slots, w, slot_of, out, T, d, K, slot0, slot1,
         y_slots.stride(0), y_slots.stride(1), *sw, out.stride(0), out.stride(1),
-        HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        HAS_WEIGHTS=weights is not None, ACCUMULATE=accumulate, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
     )
     return out
 
@@ -550,14 +633,18 @@ def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K:
 def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
                    activation: "Activation | str", save_preact: bool,
                    gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                   *, out: Tensor | None = None, preact_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   *, out: Tensor | None = None, preact_out: Tensor | None = None,
+                   window_slots: int = 0) -> tuple[Tensor, Tensor]:
     """y [T, d] (x.dtype) and preact in slot order (x.dtype): ``[T*K, 2h]`` (gate|up) for a gated activation,
     ``[T*K, h]`` for a plain one, biases included; ``[0]`` unless save_preact.
 
     ``w`` holds the weight tables (``w.up`` None exactly for a plain activation); biases are optional
     contiguous ``[E, h]``, ``[E, h]``, ``[E, d]`` tensors of x's dtype. ``plan`` must come from
     ``dispatch(ids, E, block_m=plan_block_m())`` (or ``dispatch_reference``). ``out`` / ``preact_out``:
-    storage to write y / preact into (any strides; the token-chunked caller passes row slices)."""
+    storage to write y / preact into (any strides). ``window_slots`` > 0 runs the slots in windows of at
+    most that many (:func:`slot_windows`), bounding the transients H and Y to that many rows; y then
+    accumulates across windows in its own dtype (a token whose slots fall in several windows is rounded
+    once per window)."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     N = T * K
     width = 2 * h if act.gated else h
@@ -569,38 +656,39 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
     out = out if out is not None else x.new_empty((T, d))
     if N == 0 or d == 0:
         return out.zero_(), preact
-    num_tiles = plan.tile_expert.numel()
-    hid = x.new_empty((N, h))  # transient, freed on return
+    if h == 0 and down_bias is None:  # every expert maps to zero
+        return out.zero_(), preact
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
-    if h > 0:
-        pre = preact if save_preact else hid  # placeholder pointer when not saving, never written
+    for i, win in enumerate(slot_windows(plan, window_slots)):
+        n = win.slot1 - win.slot0
+        hid = x.new_empty((n, h))  # transient: the window's H
+        if h > 0:
+            pre = preact[win.slot0:] if save_preact else hid  # placeholder pointer when not saving, never written
 
-        def grid(meta):
-            return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
+            def grid(meta, num_tiles=win.num_tiles):
+                return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
 
-        autotune.launch(
-            _expert_up_kernel, _expert_up_tuned, "up", grid,
-            x, w.gate.ptrs, up.ptrs,
-            gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
-            hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start,
-            num_tiles, d, h, K,
-            x.stride(0), x.stride(1),
-            w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
-            hid.stride(0), hid.stride(1),
-            pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
-            float(act.alpha), float(act.limit),
-            ACT=ACT_CODES[act.name], GATED=act.gated,
-            HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-            W_ALIGN=table_align(w.gate, w.up),
-            SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
-        )
-    if h > 0 or down_bias is not None:
-        y_slots = x.new_empty((N, d))  # transient, slot order
+            autotune.launch(
+                _expert_up_kernel, _expert_up_tuned, "up", grid,
+                x, w.gate.ptrs, up.ptrs,
+                gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+                hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
+                win.num_tiles, plan.tile_expert.numel(), win.slot0, win.slot1, d, h, K,
+                x.stride(0), x.stride(1),
+                w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
+                hid.stride(0), hid.stride(1),
+                pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
+                float(act.alpha), float(act.limit),
+                ACT=ACT_CODES[act.name], GATED=act.gated,
+                HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+                W_ALIGN=table_align(w.gate, w.up),
+                SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
+            )
+        y_slots = x.new_empty((n, d))  # transient: the window's Y
         # Y = H @ W_down[e].T (+ b_down[e]): B[e][k, n] = W_down[e][n, k]
         down_project(hid, h, (w.down.ptrs, w.down.stride_c, w.down.stride_r), None, table_align(w.down), d, plan,
-                     y_slots, down_bias)
+                     y_slots, down_bias, window=win)
         del hid
-    else:  # h == 0 and no bias: every expert maps to zero
-        y_slots = x.new_zeros((N, d))
-    combine(y_slots, weights, plan.slot_of, T, K, out)
+        combine(y_slots, weights, plan.slot_of, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
+        del y_slots
     return out, preact

@@ -99,6 +99,8 @@ def make_case(T, d, h, E, K, *, act="swiglu", bias=False, layout="dense", device
     ids = torch.randint(0, E, (T, K), generator=g)
     if ids_mode == "empty_expert":  # expert 1 gets no token: zero weight gradients, no tiles
         ids = torch.where(ids == 1, 0, ids)
+    elif ids_mode == "empty_last":  # the last expert gets no token: its (empty) slots sit at the very end
+        ids = torch.where(ids == E - 1, 0, ids)
     elif ids_mode == "one_expert":  # every token's first choice is expert 2: one long ragged group
         ids[:, 0] = 2
         if K > 1:
@@ -124,18 +126,20 @@ def grad_storage_like(case, dtype=None, fill=float("nan")) -> list[torch.Tensor]
     return [torch.full_like(s, fill, dtype=dtype or s.dtype) for s in case["storage"]]
 
 
-def run_kernels(case, policy, *, grads=None, accumulate=False):
+def run_kernels(case, policy, *, grads=None, accumulate=False, window_slots=0):
     """Forward + backward through the kernels; weight gradients land in ``grads`` (storage like the
     parameters', NaN-filled by default so that an unwritten element shows)."""
     act = parse_activation(case["act"])
     E, layout = case["E"], case["layout"]
     w = tables(role_views(layout, case["storage"], act.gated, E))
     plan = dispatch_reference(case["ids"], E, block_m=plan_block_m())
-    y, preact = expert_forward(case["x"], case["weights"], w, plan, act, policy == "activations", *case["biases"])
+    y, preact = expert_forward(case["x"], case["weights"], w, plan, act, policy == "activations", *case["biases"],
+                               window_slots=window_slots)
     grads = grad_storage_like(case) if grads is None else grads
     gw = tables(role_views(layout, grads, act.gated, E))
     dx, dweights, *dbias = expert_backward(case["grad_y"], case["x"], case["weights"], w, preact, plan, act,
-                                           *case["biases"], grads=gw, accumulate=accumulate)
+                                           *case["biases"], grads=gw, accumulate=accumulate,
+                                           window_slots=window_slots)
     return y, dict(x=dx, weights=dweights, storage=grads, biases=dbias, preact=preact)
 
 
@@ -189,11 +193,11 @@ def dweights_scale(case) -> torch.Tensor:
 
 
 def check_against_reference(case, policy, tol, ref_dtype=torch.float64, tol_overrides=None, *, grads=None,
-                            accumulate=False):
+                            accumulate=False, window_slots=0):
     """Run the kernels and the reference; every error <= tol. With ``grads`` given and ``accumulate``, the
     weight gradients must come back as grads_before + the reference gradient."""
     before = None if grads is None else [g.clone() for g in grads]
-    y, out = run_kernels(case, policy, grads=grads, accumulate=accumulate)
+    y, out = run_kernels(case, policy, grads=grads, accumulate=accumulate, window_slots=window_slots)
     y_ref, ref = run_reference(case, ref_dtype)
     errs = {"y": rel_err(y, y_ref), "dx": rel_err(out["x"], ref["x"])}
     for i, (got, want) in enumerate(zip(out["storage"], ref["storage"])):
@@ -276,6 +280,63 @@ def test_preact_matches_torch_path_in_slot_order(act, bias):
     assert rel_err(preact[:routed], preact_ref[:routed]) < 1e-6
     _, empty = expert_forward(case["x"], case["weights"], tables(views), plan, a, False, *case["biases"])
     assert empty.shape == (0,)
+
+
+# (T, d, h, E, K, ids_mode, window_slots, why): windows of the slot order (interpreter tiles: 16 rows)
+WINDOW_CASES = [
+    (37, 40, 24, 5, 3, "empty_expert", 25, "5 windows cutting experts and tiles mid-way; an empty expert"),
+    (33, 32, 32, 4, 2, "one_expert", 16, "one expert spanning every window; windows on tile boundaries"),
+    (29, 24, 40, 3, 2, "sentinel", 7, "unrouted slots at the end: the last windows hold none routed"),
+    (9, 16, 16, 4, 4, "all_experts", 1, "one slot per window: every expert cut into single rows"),
+    (20, 24, 16, 4, 2, "empty_last", 12, "the last expert empty at slot N: zeroed by the last window"),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots,why", WINDOW_CASES,
+                         ids=[f"{c[5]}-w{c[6]}" for c in WINDOW_CASES])
+def test_slot_windows_match_reference(T, d, h, E, K, ids_mode, window_slots, why, policy):
+    # Every output and gradient (weight gradients written once per expert where its slots start, added to by
+    # the later windows its slots reach; NaN-filled storage shows a missed write) as without windows.
+    case = make_case(T, d, h, E, K, act="swiglu", bias=True, ids_mode=ids_mode, seed=11)
+    check_against_reference(case, policy, tol=1e-5, window_slots=window_slots)
+
+
+def test_slot_windows_accumulate_and_fp32_tables(monkeypatch):
+    # accumulate=True under windows: every window adds, experts without slots keep C bit for bit; fp16 inputs
+    # into float32 gradient storage. Autotuning forced on: the bookkeeping of adding launches is exercised.
+    monkeypatch.setattr(autotune, "autotuning", lambda: True)
+    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
+    case = make_case(23, 32, 16, 4, 2, act="geglu", bias=True, ids_mode="empty_expert", dtype=torch.float16, seed=5)
+    before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(9)) for s in case["storage"]]
+    grads = [b.clone() for b in before]
+    check_against_reference(case, "recompute", tol=2e-3, ref_dtype=torch.float32, grads=grads, accumulate=True,
+                            window_slots=10)
+    for b, g in zip(before, grads):
+        assert torch.equal(g[1], b[1])
+
+
+def test_slot_windows_first_tiles_and_bounds():
+    # The first tile of each window is the first tile ending after its start, found on the device; every tile
+    # meeting a window lies in [tile0, tile0 + num_tiles).
+    from moeblaze_fx.kernels.expert_fwd import slot_windows
+    ids = make_case(61, 8, 8, 6, 3, ids_mode="sentinel", seed=12)["ids"]
+    plan = dispatch_reference(ids, 6, block_m=plan_block_m())
+    bm, offsets = plan_block_m(), plan.offsets.tolist()
+    tiles = [(int(s), min(int(s) + bm, offsets[e + 1])) for e, s in zip(plan.tile_expert.tolist(),
+                                                                       plan.tile_start.tolist()) if e >= 0]
+    for window_slots in (1, 7, 16, 50, 183, 500):
+        wins = slot_windows(plan, window_slots)
+        assert wins[0].slot0 == 0 and wins[-1].slot1 == 183 and all(
+            a.slot1 == b.slot0 for a, b in zip(wins, wins[1:]))
+        assert max(w.slot1 - w.slot0 for w in wins) <= window_slots or len(wins) == 1
+        for w in wins:
+            meeting = [i for i, (s, e) in enumerate(tiles) if s < w.slot1 and e > w.slot0]
+            first = next((i for i, (_, e) in enumerate(tiles) if e > w.slot0), len(tiles))
+            assert int(w.tile0) == first
+            assert all(first <= i < first + w.num_tiles for i in meeting)
+    with pytest.raises(ValueError, match="window_slots must be >= 0"):
+        slot_windows(plan, -1)
 
 
 def test_accumulate_adds_onto_existing_gradients(monkeypatch):
@@ -453,3 +514,24 @@ def test_expert_kernels_bf16_cuda(T, d, h, E, K, ids_mode, act, bias, layout, wh
         a, b = (o1[k], o2[k]) if isinstance(o1[k], list) else ([o1[k]], [o2[k]])
         assert all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a, b)), \
             f"gradient of {k} is not bitwise deterministic"
+
+
+# (T, d, h, E, K, ids_mode, layout, window_slots): slot windows in bf16 (128-row tiles cut mid-way)
+CUDA_WINDOW_CASES = [
+    (1000, 320, 200, 8, 4, "empty_expert", "dense", 700),
+    (700, 128, 192, 4, 2, "one_expert", "transposed", 300),
+    (600, 192, 256, 8, 2, "sentinel", "list", 500),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,window_slots", CUDA_WINDOW_CASES,
+                         ids=[f"{c[5]}-{c[6]}-w{c[7]}" for c in CUDA_WINDOW_CASES])
+def test_slot_windows_bf16_cuda(T, d, h, E, K, ids_mode, layout, window_slots, policy):
+    case = make_case(T, d, h, E, K, act="swiglu", bias=True, layout=layout, device="cuda", dtype=torch.bfloat16,
+                     ids_mode=ids_mode, seed=T + 1)
+    y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
+    y2, o2 = run_kernels(case, policy, window_slots=window_slots)
+    assert torch.equal(y1, y2), "forward is not bitwise deterministic"
+    assert torch.equal(o1["x"], o2["x"]) and all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"]))

@@ -1,5 +1,5 @@
 """The operator over parameters as they are stored: fused, separate, transposed, interleaved and
-per-expert (ModuleList) weights, biases, every activation, token chunks. Output and every gradient
+per-expert (ModuleList) weights, biases, every activation, token chunks and slot windows. Output and every gradient
 against the reference in float64; layout errors."""
 import re
 
@@ -182,9 +182,10 @@ def test_a_parameter_with_gaps_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives the Triton path on CPU tensors through the interpreter")
 @pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
-def test_triton_path_token_chunks_in_the_interpreter(monkeypatch, checkpoint):
-    """The operator's kernel path (tables, chunk outputs written in place, accumulated weight
-    gradients) on CPU tensors under TRITON_INTERPRET, float32, against the reference."""
+def test_triton_path_slot_windows_in_the_interpreter(monkeypatch, checkpoint):
+    """The operator's kernel path (tables, slot windows, weight gradients of experts spanning windows
+    added to in place or in float32) on CPU tensors under TRITON_INTERPRET, float32, against the
+    reference; fused and per-expert (ModuleList) parameters with biases."""
     from moeblaze_fx import ops
     from moeblaze_fx.kernels import expert_fwd
 
@@ -197,10 +198,20 @@ def test_triton_path_token_chunks_in_the_interpreter(monkeypatch, checkpoint):
     T40 = 40
     x = _rand(T40, d, g=g).float().requires_grad_()
     ids = torch.rand(T40, E, generator=g).argsort(dim=1)[:, :K]
+    ids[::5, 1] = E  # unrouted pairs: their slots sit past every expert's
     w = torch.rand(T40, K, generator=g).requires_grad_()
-    # 6: seven chunks, weight gradients accumulated in place; 12: four chunks, in float32 (4 x 576 weight
-    # elements fit in a chunk's 12 * 2 * (3h + d) * 4 bytes of transients); 20: two chunks, in place
+    # chunk_tokens c: windows of 2c of the 80 slots. 6: seven windows, gradients of experts spanning several
+    # added to in place; 12: four windows, in float32 (4 x 576 weight elements fit in a window's
+    # 12 * 2 * (3h + d) * 4 bytes of transients); 20: two windows, in place
     for chunk in (0, 6, 12, 20):
         y = moe_ffn(x, ids, w, experts, checkpoint=checkpoint, chunk_tokens=chunk)
         ref = moe_ffn_reference(x, ids, w, experts)
         _compare(y, ref, [x, w, *params.values()], g, tol=1e-5)
+    ws = {k: [t.detach().float().requires_grad_() for t in v] for k, v in _modulelist(g, True).items()}
+    flat = [t for k in ("w1", "w3", "w2", "b1", "b3", "b2") for t in ws[k]]
+    views = [RoleView(i * E, E, 0, 0, c, 1, r, c) for i, (r, c) in enumerate(((h, d), (h, d), (d, h)))] + [
+        RoleView((3 + i) * E, E, 0, 0, 1, 1, r, 1) for i, r in enumerate((h, h, d))]
+    stacked = ExpertParams(*[torch.stack(ws[k]) for k in ("w1", "w3", "w2", "b1", "b3", "b2")])
+    for chunk in (0, 6):
+        y = torch.ops.moeblaze.moe_ffn(x, ids, w, flat, encode_layout(E, views), "swiglu", checkpoint, chunk)[0]
+        _compare(y, moe_ffn_reference(x, ids, w, stacked), [x, w, *flat], g, tol=1e-5)
