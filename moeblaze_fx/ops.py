@@ -318,12 +318,13 @@ def _make_plan(ids: Tensor, num_experts: int, block_m: int) -> DispatchPlan:
 
 def default_chunk_tokens(K: int, d: int, h: int, gated: bool, itemsize: int,
                          budget: int = DEFAULT_TRANSIENT_BUDGET) -> int:
-    """Tokens per chunk (``K`` times that many slots per window on the Triton path) so that the backward's
-    per-slot transients (dA|dB, w*H, dX per slot: ``K * (preact + h + d)`` elements a token) stay within
-    ``budget`` bytes; 0 (no bound) for budget 0."""
+    """Tokens per chunk (``K`` times that many slots per window on the Triton path) so that the per-slot
+    transients alive at once stay within ``budget`` bytes: the forward's H and Y (``h + d`` elements a
+    slot), the backward's dA|dB with w*H, then with dX (w*H is freed first: ``preact + max(h, d)``). 0 (no
+    bound) for budget 0."""
     if budget <= 0:
         return 0
-    per_token = K * ((2 if gated else 1) * h + h + d) * itemsize
+    per_token = K * max(h + d, (2 if gated else 1) * h + max(h, d)) * itemsize
     return max(256, budget // max(per_token, 1))
 
 
@@ -518,7 +519,8 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bu
     window_slots = chunk_tokens * K
     weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
     h = views[0].rows
-    window_bytes = window_slots * ((3 if act.gated else 2) * h + x.shape[1]) * x.element_size()
+    d = x.shape[1]
+    window_bytes = window_slots * max(h + d, (2 if act.gated else 1) * h + max(h, d)) * x.element_size()
     acc32 = None
     if fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
         acc32 = [None if v is None else torch.empty((E, v.rows, v.cols), dtype=torch.float32, device=x.device)

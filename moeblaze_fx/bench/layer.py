@@ -14,6 +14,8 @@ Providers:
 
 * ``moeblaze-activations`` / ``moeblaze-recompute``: the operator ``moeblaze_fx.moe_ffn`` under each
   memory policy (Triton kernels on CUDA where they are available, plain PyTorch elsewhere);
+* ``moeblaze-lowmem``: ``"recompute"`` with ``transient_budget`` = 128 MiB (smaller slot windows: a
+  lower peak for some speed);
 * ``loop``: the per-expert loop of Mixtral in transformers < 5 (``one_hot`` + ``where`` + ``index_add_``);
 * ``hf-grouped-mm``: the data flow of transformers' ``grouped_mm`` experts: sort the (token, choice)
   pairs by expert, gather the rows, ``histc`` + ``cumsum`` offsets, ``torch._grouped_mm`` for both
@@ -81,6 +83,7 @@ DENSE_GEMM_N_CPU = 1024
 L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, H200 60 MB)
 ROTATION_BYTES = 512 << 20  # input sets rotated between timed steps: at most this many bytes of them
 MAX_ROTATION = 4
+LOWMEM_BUDGET = 128 << 20  # transient_budget of the moeblaze-lowmem provider
 REF_CHUNK_BYTES = 4 << 30  # transient fp32 memory of one chunk of the reference on CUDA
 
 
@@ -159,12 +162,16 @@ def route(x: Tensor, w_router: Tensor, K: int) -> tuple[Tensor, Tensor]:
     return ids, top_w.to(x.dtype)
 
 
-def _moeblaze_layer(policy: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    from ..ops import moe_ffn
+def _moeblaze_layer(policy: str, budget: int | None = None) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The operator under ``policy``; ``budget``: its transient_budget in bytes (None: the default)."""
+    from ..ops import default_chunk_tokens, moe_ffn
 
     def layer(x: Tensor, w_router: Tensor, w_gate_up: Tensor, w_down: Tensor, K: int) -> tuple[Tensor, Tensor]:
         ids, w = route(x, w_router, K)
-        return moe_ffn(x, ids, w, (w_gate_up, w_down), activation="swiglu", checkpoint=policy), ids
+        chunk = None if budget is None else default_chunk_tokens(K, x.shape[1], w_down.shape[2], True,
+                                                                 x.element_size(), budget)
+        return moe_ffn(x, ids, w, (w_gate_up, w_down), activation="swiglu", checkpoint=policy,
+                       chunk_tokens=chunk), ids
 
     return layer
 
@@ -266,13 +273,15 @@ class Provider:
     build: Callable[[torch.device, torch.dtype], tuple[Optional[Callable[..., tuple[Tensor, Tensor]]], str]]
 
 
-def _build_moeblaze(policy: str):
+def _build_moeblaze(policy: str, budget: int | None = None):
     def build(device: torch.device, dtype: torch.dtype):
         from .. import ops
 
         uses_triton = ops._use_triton(torch.empty(0, device=device, dtype=dtype))
         note = "Triton kernels" if uses_triton else "plain-PyTorch path"
-        return _moeblaze_layer(policy), note
+        if budget is not None:
+            note += f", transient_budget {budget >> 20} MiB"
+        return _moeblaze_layer(policy, budget), note
 
     return build
 
@@ -319,6 +328,8 @@ PROVIDERS: dict[str, Provider] = {
     for p in (
         Provider("moeblaze-activations", "MoEBlaze, save A|B", _build_moeblaze("activations")),
         Provider("moeblaze-recompute", "MoEBlaze, recompute A|B", _build_moeblaze("recompute")),
+        Provider("moeblaze-lowmem", "MoEBlaze, recompute A|B, 128 MiB of transients",
+                 _build_moeblaze("recompute", LOWMEM_BUDGET)),
         Provider("loop", "per-expert loop (Mixtral-style)", _build_loop),
         Provider("hf-grouped-mm", "HF grouped_mm, eager", _build_hf(False)),
         Provider("hf-grouped-mm-compiled", "HF grouped_mm, torch.compile", _build_hf(True)),
