@@ -289,6 +289,7 @@ def _expert_dw_kernel(
     stride_o_m, stride_o_n,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
     OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
+    MAY_ADD: tl.constexpr,  # ACCUMULATE or slot0 > 0: some program may start from C (else no C load at all)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -344,7 +345,10 @@ def _expert_dw_kernel(
     # The accumulator starts from C when adding (fp32; a predicated load, so zeros otherwise): loaded here,
     # while no accumulator is live yet; loading it after the loop needs a second 128x256 fp32 tile in
     # registers and spilled (sm_90 SASS).
-    acc = tl.load(out_ptrs, mask=add_mask, other=0.0).to(tl.float32)
+    if MAY_ADD:
+        acc = tl.load(out_ptrs, mask=add_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     # Token rows of the gathered operand are loaded one chunk ahead (a loop-carried register prefetch):
     # the tile loads then depend on a loop-carried value, not on a load of the same iteration, so the
@@ -475,7 +479,7 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
             a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
-            GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc,
+            GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
             O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
         )
 
