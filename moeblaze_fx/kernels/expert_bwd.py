@@ -623,6 +623,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
                 RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
             )
+            del pre  # may alias dpre: it must not outlive the window
         if not skip:
             _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
         del hw

@@ -684,6 +684,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
                 W_ALIGN=table_align(w.gate, w.up),
                 SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
             )
+            del pre  # may alias hid: it must not outlive the window
         y_slots = x.new_empty((n, d))  # transient: the window's Y
         # Y = H @ W_down[e].T (+ b_down[e]): B[e][k, n] = W_down[e][n, k]
         down_project(hid, h, (w.down.ptrs, w.down.stride_c, w.down.stride_r), None, table_align(w.down), d, plan,

@@ -535,3 +535,33 @@ def test_slot_windows_bf16_cuda(T, d, h, E, K, ids_mode, layout, window_slots, p
     y2, o2 = run_kernels(case, policy, window_slots=window_slots)
     assert torch.equal(y1, y2), "forward is not bitwise deterministic"
     assert torch.equal(o1["x"], o2["x"]) and all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", POLICIES)
+def test_slot_windows_bound_the_backward_transients_cuda(policy):
+    # Peak allocation of expert_backward above its start: dx, the routing-weight partials, dweights and one
+    # window's transients (dA|dB with w*H, then with dX): a buffer kept past its window (an alias of dA|dB
+    # did once) exceeds the slack.
+    T, d, h, E, K, window = 4096, 256, 1024, 8, 2, 1024
+    case = make_case(T, d, h, E, K, act="swiglu", device="cuda", dtype=torch.bfloat16, seed=21)
+    act = parse_activation("swiglu")
+    w = tables(role_views("dense", case["storage"], True, E))
+    plan = dispatch_reference(case["ids"], E, block_m=plan_block_m())
+    _, preact = expert_forward(case["x"], case["weights"], w, plan, act, policy == "activations")
+    grads = grad_storage_like(case, fill=0.0)
+    gw = tables(role_views("dense", grads, True, E))
+    run = dict(grads=gw, window_slots=window)
+    expert_backward(case["grad_y"], case["x"], case["weights"], w, preact, plan, act, **run)  # compile, tune
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out = expert_backward(case["grad_y"], case["x"], case["weights"], w, preact, plan, act, **run)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    chunk = autotune.dweights_chunk()
+    part = (h // chunk + expert_bwd._MAX_DH_BLOCK_N // chunk) * T * K * 4
+    window_bytes = window * (2 * h + max(h, d)) * 2
+    bound = T * d * 2 + part + T * K * 2 + window_bytes + (1 << 20)
+    assert peak <= bound, f"peak {peak} above {bound} (window transients {window_bytes})"
+    del out
