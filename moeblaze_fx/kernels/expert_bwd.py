@@ -26,8 +26,13 @@ Data flow (six launches + one small reduction, plus one small launch per bias)::
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order)
 
-Each output element is written by exactly one program with a fixed reduction order, so there are no
-atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
+With ``window_slots`` everything but the down-bias pass and the final reduction runs once per slot
+window (see ``expert_fwd.SlotWindow``): the transients hold the window's rows; the dW kernels contract
+over the part of each expert's slots inside the window, writing the experts whose slots start there and
+adding onto those that started earlier; dx and the bias gradients add up across windows.
+
+Each output element is written by exactly one program per window with a fixed reduction order, so there
+are no atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
 zero weight gradients (or an unchanged one when accumulating). Transients (dA|dB, w*H, per-slot dX,
 partials) are freed on return.
 """

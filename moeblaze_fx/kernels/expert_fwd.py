@@ -24,14 +24,18 @@ Data flow (three launches)::
                                k order, unrouted pairs (slot -1) skipped   ──▶ y [T, d]
 
 No gathered [N, d] copy of x is ever built; the transients H and Y are freed when the launcher
-returns. Saved for backward (by the caller): x, the plan, the routing weights and, under the
+returns. With ``window_slots`` the three launches run once per *slot window* (:class:`SlotWindow`, a
+range of the expert-sorted slots), H and Y holding only the window's rows and the combine adding each
+window's pairs onto y. Saved for backward (by the caller): x, the plan, the routing weights and, under the
 "activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs with
 the same configuration are bitwise identical.
 
 Row tiles come from the plan: ``tile_expert[i]`` / ``tile_start[i]`` describe ``plan_block_m()`` rows
 of one expert; a tile may be ragged (masked against ``offsets[e+1]``), tiles past the last one hold
 -1 and their programs exit at once, so grids are sized by the static bound ``max_tiles`` and no host
-synchronisation is needed.
+synchronisation is needed. A window's launches start at its first tile (found on the device) and clip
+each tile's rows to the window, so a tile cut by a window boundary is computed by both windows, each
+storing its own rows.
 
 Alignment: an address loaded from a table carries no alignment the compiler can see, and without one
 every weight load becomes a 2-byte access (no cp.async, no 16-byte vectors). The host passes the
