@@ -186,7 +186,7 @@ w = operator.getitem(topk, 0)
 ids = operator.getitem(topk, 1)
 flatten_1 = .flatten(w)
 reshape = torch.reshape(flatten_1, (-1, 2))
-moe_ffn_default = moeblaze.moe_ffn.default(l_x, ids, reshape, [experts.0.gate.weight, experts.1.gate.weight, experts.2.gate.weight, experts.3.gate.weight, experts.0.up.weight, experts.1.up.weight, experts.2.up.weight, experts.3.up.weight, experts.0.down.weight, experts.1.down.weight, experts.2.down.weight, experts.3.down.weight], [4, 0, 4, 0, 0, 16, 1, 24, 16, 4, 4, 0, 0, 16, 1, 24, 16, 8, 4, 0, 0, 24, 1, 16, 24, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0], 'swiglu', 'activations', 3050402)
+moe_ffn_default = moeblaze.moe_ffn.default(l_x, ids, reshape, [experts.0.gate.weight, experts.1.gate.weight, experts.2.gate.weight, experts.3.gate.weight, experts.0.up.weight, experts.1.up.weight, experts.2.up.weight, experts.3.up.weight, experts.0.down.weight, experts.1.down.weight, experts.2.down.weight, experts.3.down.weight], [4, 0, 4, 0, 0, 16, 1, 24, 16, 4, 4, 0, 0, 16, 1, 24, 16, 8, 4, 0, 0, 24, 1, 16, 24, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0], 'swiglu', 'activations', 3728270)
 getitem = operator.getitem(moe_ffn_default, 0)
 return (getitem,)""")
 
