@@ -324,8 +324,12 @@ def default_chunk_tokens(K: int, d: int, h: int, gated: bool, itemsize: int,
     bound) for budget 0."""
     if budget <= 0:
         return 0
-    per_token = K * max(h + d, (2 if gated else 1) * h + max(h, d)) * itemsize
-    return max(256, budget // max(per_token, 1))
+    return max(256, budget // max(K * _slot_bytes(d, h, gated, itemsize), 1))
+
+
+def _slot_bytes(d: int, h: int, gated: bool, itemsize: int) -> int:
+    """Bytes of per-slot transients alive at once (see default_chunk_tokens)."""
+    return max(h + d, (2 if gated else 1) * h + max(h, d)) * itemsize
 
 
 def _chunks(T: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -518,9 +522,7 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bu
     T, K = ids.shape
     window_slots = chunk_tokens * K
     weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
-    h = views[0].rows
-    d = x.shape[1]
-    window_bytes = window_slots * max(h + d, (2 if act.gated else 1) * h + max(h, d)) * x.element_size()
+    window_bytes = window_slots * _slot_bytes(x.shape[1], views[0].rows, act.gated, x.element_size())
     acc32 = None
     if fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
         acc32 = [None if v is None else torch.empty((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
