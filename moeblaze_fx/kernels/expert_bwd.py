@@ -637,7 +637,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
             down_project(dpre, h, (w.gate.ptrs, w.gate.stride_r, w.gate.stride_c),
                          (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
-                         table_align(w.gate, w.up), d, plan, dx_slots, window=win)
+                         table_align(w.gate, w.up), d, plan, dx_slots, None, win)
         if not skip:
             _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate, dw_window)  # [E, h, d]
             if act.gated:

@@ -575,23 +575,18 @@ def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
             for i, s0 in enumerate(range(0, N, step))]
 
 
-def _whole(plan: DispatchPlan) -> SlotWindow:
-    return slot_windows(plan, 0)[0]
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 operands: IEEE products (torch's default for fp32 matmul is no tf32); 16-bit: tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[Tensor, int, int] | None,
-                 b_align: int, n_dim: int, plan: DispatchPlan, out: Tensor, bias: Tensor | None = None,
-                 window: SlotWindow | None = None) -> Tensor:
+                 b_align: int, n_dim: int, plan: DispatchPlan, out: Tensor, bias: Tensor | None,
+                 window: SlotWindow) -> Tensor:
     """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot
-    of ``window`` (default: all), ``a`` and ``out`` holding the window's rows from its first slot.
+    of ``window``, ``a`` and ``out`` holding the window's rows from its first slot.
 
     ``b0``/``b1`` are (pointer table, stride_k, stride_n): B[e][k, n] at ``ptrs[e] + k*stride_k + n*stride_n``."""
-    window = window or _whole(plan)
     num_tiles = window.num_tiles
     if num_tiles == 0 or out.numel() == 0:
         return out
@@ -613,11 +608,11 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
 
 
 def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
-            window: tuple[int, int] | None = None, accumulate: bool = False) -> Tensor:
+            window: tuple[int, int], accumulate: bool) -> Tensor:
     """out[t] (+)= sum_k w[t, k] * y_slots[slot_of[t*K + k] - slot0] over the pairs whose slot lies in
-    ``window`` = (slot0, slot1) (default: every routed pair; w = 1 when weights is None), fp32 accumulation.
-    ``accumulate``: add onto ``out`` (one rounding to out's dtype per call)."""
-    slot0, slot1 = window if window is not None else (0, slot_of.numel())
+    ``window`` = (slot0, slot1) (w = 1 when weights is None), fp32 accumulation. ``accumulate``: add onto
+    ``out`` (one rounding to out's dtype per call)."""
+    slot0, slot1 = window
     d = out.shape[1]
     if T == 0 or d == 0:
         return out
@@ -692,7 +687,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
         y_slots = x.new_empty((n, d))  # transient: the window's Y
         # Y = H @ W_down[e].T (+ b_down[e]): B[e][k, n] = W_down[e][n, k]
         down_project(hid, h, (w.down.ptrs, w.down.stride_c, w.down.stride_r), None, table_align(w.down), d, plan,
-                     y_slots, down_bias, window=win)
+                     y_slots, down_bias, win)
         del hid
         combine(y_slots, weights, plan.slot_of, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots
