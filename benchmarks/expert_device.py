@@ -16,8 +16,8 @@
 Writes OUTDIR/expert_device.json and OUTDIR/expert_device.md; prints a short table last.
 
 Environment: MB_PARTS (default ``small,features,accumulate,configs``), MB_FEATURES_PIN (the kernel config the
-``features`` part runs under; empty: autotuned), MB_BUDGET_S (no new config A-D past this), MB_MICRO=1 (raw
-kernel variants at config A), MB_DRYRUN=1 (a CPU smoke test of this script under the Triton interpreter).
+``features`` part runs under; empty: autotuned), MB_BUDGET_S (no new config A-D past this), MB_CONFIGS (which of A-D,
+in that order; default all), MB_MICRO=A,C (raw kernel variants at those configs), MB_DRYRUN=1 (a CPU smoke test of this script under the Triton interpreter).
 
 Weights are read and weight gradients written through per-expert pointer tables (``kernels.tables``);
 the tables' byte alignment is what lets the kernels use 16-byte loads, and is logged (``table_align``).
@@ -481,9 +481,10 @@ def time_config(name, inp, policy):
                 kernels_ms=dict(sorted(breakdown.items(), key=lambda kv: -kv[1])))
 
 
-def micro(result) -> None:
-    """Variants of the backward kernels at config A, raw launches (no autotuner), to see what limits them."""
-    T, d, h, E, K = CONFIGS["A"]
+def micro(result, name="A") -> None:
+    """Variants of the backward kernels at one config, raw launches (no autotuner), to see what limits them.
+    Variants: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, TMA for the slot-ordered operand)."""
+    T, d, h, E, K = CONFIGS[name]
     N = T * K
     inp = make_inputs(T, d, h, E, K, seed=2)
     plan = dispatch_with_fallback(inp["ids"], E, plan_block_m())
@@ -500,27 +501,37 @@ def micro(result) -> None:
     t_dd, t_dg = table(out_dd), table(out_dg)
     rows = []
     kern = expert_bwd._expert_dw_kernel
+    log(f"micro at config {name}")
     off = plan.offsets
 
-    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm):
+    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm, tma=False):
         m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
-        kern[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, a.stride(0), a.stride(1), b.stride(0),
-                   b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b, OUT_FP32=False,
-                   ACCUMULATE=False, O_ALIGN=expert_fwd.table_align(out), DOT_PRECISION="tf32",
-                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
+        if tma:
+            expert_bwd._ensure_tma_allocator()
+        kern[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, 0, N, N + 1, a.stride(0), a.stride(1),
+                   b.stride(0), b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b,
+                   OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
+                   DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
 
     flops_dd, flops_dg = 2 * N * d * h, 2 * N * d * h
-    variants = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (256, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 1),
-                (128, 128, 128, 8, 3, 8), (128, 256, 32, 8, 5, 8)]
+    variants = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 4, 8, True),
+                (256, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8),
+                (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 4, 8, True), (128, 256, 128, 8, 2, 8, True)]
+    base = None
     for v in variants:
         try:
             ms1 = bench(lambda: dw_launch(gy, hw, True, False, t_dd, *v), warmup=50, rep=200)
             ms2 = bench(lambda: dw_launch(dpre[:, :h], x, False, True, t_dg, *v), warmup=50, rep=200)
+            if base is None:
+                base = (out_dd.clone(), out_dg.clone())
+            same = bool(torch.equal(out_dd, base[0]) and torch.equal(out_dg, base[1]))
             rows.append(dict(kernel="dw", variant=str(v), dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
-                             dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
+                             dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9, bitwise_equal_to_first=same,
+                             max_abs_diff=max(float((out_dd.float() - base[0].float()).abs().max()),
+                                              float((out_dg.float() - base[1].float()).abs().max()))))
         except Exception as exc:  # noqa: BLE001
-            rows.append(dict(kernel="dw", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            rows.append(dict(kernel="dw", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:400]}"))
         log(f"micro {rows[-1]}")
     v = variants[0]
     ms1 = bench(lambda: dw_launch(gy_slots, hw, False, False, t_dd, *v), warmup=50, rep=200)
@@ -543,13 +554,14 @@ def micro(result) -> None:
     part = torch.zeros(h // 64 + 8, N, device=DEVICE, dtype=torch.float32)
     num_tiles = plan.tile_expert.numel()
     g_t, u_t, d_t = wtabs
-    for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 1, 8), (64, 64, 8, 4, 2, 8), (64, 64, 8, 3, 2, 8),
-                                      (64, 128, 8, 3, 2, 8), (64, 64, 8, 4, 2, 16), (128, 64, 8, 3, 1, 8)]:
+    tile0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
+                                      (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:
         grid = (num_tiles * triton.cdiv(h, bn * split),)
         try:
             ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
                 gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, part, plan.token_index, off,
-                plan.tile_expert, plan.tile_start, num_tiles, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
+                plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
                 x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c, d_t.stride_r, d_t.stride_c,
                 w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
                 hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
@@ -561,7 +573,9 @@ def micro(result) -> None:
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
         log(f"micro {rows[-1]}")
-    result["micro"] = rows
+    for r in rows:
+        r["config"] = name
+    result.setdefault("micro", []).extend(rows)
 
 
 def tuned_choices():
@@ -653,13 +667,14 @@ def main(outdir: str) -> None:
         del inp, ref, before
     log(f"part accumulate: {time.time() - t_part:.0f} s")
 
-    if os.environ.get("MB_MICRO") == "1":
-        micro(result)
+    for name in [c for c in os.environ.get("MB_MICRO", "").split(",") if c in CONFIGS]:
+        micro(result, name)
         if not DRY:
             torch.cuda.empty_cache()
 
     # 2c + 3. configs A-D: correctness vs the fp32 torch path, then timing
-    for name, (T, d, h, E, K) in CONFIGS.items() if "configs" in PARTS else []:
+    chosen = os.environ.get("MB_CONFIGS", ",".join(CONFIGS)).split(",")
+    for name, (T, d, h, E, K) in [(c, CONFIGS[c]) for c in chosen] if "configs" in PARTS else []:
         if time.time() - T0 > BUDGET_S:
             log(f"budget reached: skipping config {name}")
             continue

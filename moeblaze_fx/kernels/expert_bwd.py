@@ -38,6 +38,8 @@ partials) are freed on return.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -295,6 +297,7 @@ def _expert_dw_kernel(
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
     OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
     MAY_ADD: tl.constexpr,  # ACCUMULATE or slot0 > 0: some program may start from C (else no C load at all)
+    TMA: tl.constexpr,  # the slot-ordered operand through a tensor descriptor bounded by the expert's segment
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -365,6 +368,18 @@ def _expert_dw_kernel(
     else:
         tok = s.to(tl.int64)
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
+    if TMA:
+        # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
+        # a program with nothing to load still builds a valid descriptor.
+        seg_rows = tl.maximum(seg_hi - seg_lo, 1)
+        if GATHER_A:
+            slot_desc = tl.make_tensor_descriptor(b_ptr + (seg_lo - slot0).to(tl.int64) * stride_b_r,
+                                                  shape=[seg_rows, n_dim], strides=[stride_b_r, 1],
+                                                  block_shape=[BLOCK_K, BLOCK_N])
+        else:
+            slot_desc = tl.make_tensor_descriptor(a_ptr + (seg_lo - slot0).to(tl.int64) * stride_a_r,
+                                                  shape=[seg_rows, m_dim], strides=[stride_a_r, 1],
+                                                  block_shape=[BLOCK_K, BLOCK_M])
     for i in range(0, n_full):
         s_next = s + BLOCK_K
         if GATHER_A or GATHER_B:
@@ -379,8 +394,14 @@ def _expert_dw_kernel(
             rb = tok
         else:
             rb = (s - slot0).to(tl.int64)
-        a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)  # [BLOCK_K, BLOCK_N]
+        if TMA and not GATHER_A:
+            a = slot_desc.load([i * BLOCK_K, pid_m * BLOCK_M]).T
+        else:
+            a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
+        if TMA and GATHER_A:
+            b = slot_desc.load([i * BLOCK_K, pid_n * BLOCK_N])
+        else:
+            b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         s = s_next
         tok = tok_next
@@ -395,8 +416,16 @@ def _expert_dw_kernel(
             rb = tok
         else:
             rb = s_ld
-        a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None], other=0.0)
+        if TMA and not GATHER_A:
+            a = slot_desc.load([n_full * BLOCK_K, pid_m * BLOCK_M]).T
+        else:
+            a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
+                        other=0.0)
+        if TMA and GATHER_A:
+            b = slot_desc.load([n_full * BLOCK_K, pid_n * BLOCK_N])
+        else:
+            b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
+                        other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
@@ -467,6 +496,26 @@ _expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim"
 _DW_TUNED_KEYS: set[tuple] = set()
 
 
+def _dw_tma(slots: Tensor) -> bool:
+    """Whether the dW kernel reads the slot-ordered operand through a tensor descriptor (TMA): asked for
+    with MOEBLAZE_DW_TMA=1 (an experiment), and only where a descriptor can describe it (unit column
+    stride, 16-byte aligned base and row stride)."""
+    if os.environ.get("MOEBLAZE_DW_TMA", "0") != "1":
+        return False
+    item = slots.element_size()
+    ok = slots.stride(1) == 1 and (slots.stride(0) * item) % 16 == 0 and slots.data_ptr() % 16 == 0
+    if ok and not autotune.interpreting():
+        _ensure_tma_allocator()
+    return ok
+
+
+def _ensure_tma_allocator() -> None:
+    """Device-side tensor descriptors need a global scratch allocator; set one unless the user has."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
 def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,
                  accumulate: bool, window: tuple[int, int, int]) -> None:
     """dW[e] (+)= sum over e's slots in the window of a[row].T @ b[row], written through the table ``out``;
@@ -485,7 +534,7 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
             a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
             GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
-            O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
+            TMA=_dw_tma(b if gather_a else a), O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
         )
 
     key = (m_dim, n_dim, gather_a, a.dtype, b.dtype, out.dtype)
