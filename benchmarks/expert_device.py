@@ -555,6 +555,53 @@ def micro(result, name="A") -> None:
     num_tiles = plan.tile_expert.numel()
     g_t, u_t, d_t = wtabs
     tile0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    bm = plan_block_m()
+    hid = torch.empty(N, h, device=DEVICE, dtype=DTYPE)
+    pre_out = torch.empty(N, 2 * h, device=DEVICE, dtype=DTYPE)
+    up_ref = None
+    # up: (BLOCK_N, BLOCK_K, warps, stages, GROUP_M); the first two are the tuned candidates
+    for bn, bk, nw, ns, gm in [(128, 64, 8, 3, 8), (64, 64, 4, 4, 8), (128, 64, 8, 4, 8), (64, 64, 8, 4, 8),
+                               (128, 128, 8, 2, 8), (64, 128, 4, 3, 8), (128, 64, 8, 3, 16), (64, 64, 4, 3, 8)]:
+        grid = (num_tiles * triton.cdiv(h, bn),)
+        try:
+            ms = bench(lambda: expert_fwd._expert_up_kernel[grid](
+                x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
+                tile0, num_tiles, num_tiles, 0, N, d, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
+                u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
+                1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
+                W_ALIGN=expert_fwd.table_align(g_t, u_t), SAVE_PREACT=True, DOT_PRECISION="tf32", BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
+            up_ref = hid.clone() if up_ref is None else up_ref
+            rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm)), ms=ms, tflops=4 * N * d * h / ms / 1e9,
+                             bitwise_equal_to_first=bool(torch.equal(hid, up_ref))))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        log(f"micro {rows[-1]}")
+    del up_ref
+    y_slots = torch.empty(N, d, device=DEVICE, dtype=DTYPE)
+    # down: forward Y = H @ W_down.T (k = h), backward dX = dA @ W_gate + dB @ W_up (k = 2 x h)
+    for bn, bk, nw, ns, gm in [(256, 64, 8, 3, 8), (128, 64, 8, 4, 8), (128, 64, 8, 3, 8), (128, 64, 4, 3, 8),
+                               (256, 64, 8, 4, 8), (128, 128, 8, 3, 8), (256, 128, 8, 2, 8), (64, 64, 4, 4, 8)]:
+        grid = (num_tiles * triton.cdiv(d, bn),)
+        meta = dict(HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                    num_warps=nw, num_stages=ns)
+        try:
+            ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
+                hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
+                num_tiles, 0, N, d, h, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
+                d_t.stride_r, y_slots.stride(0), y_slots.stride(1), TWO_B=False,
+                B_ALIGN=expert_fwd.table_align(d_t), **meta), warmup=50, rep=200)
+            ms_dx = bench(lambda: expert_fwd._expert_down_kernel[grid](
+                dpre, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
+                num_tiles, 0, N, d, h, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
+                u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
+                B_ALIGN=expert_fwd.table_align(g_t, u_t), **meta), warmup=50, rep=200)
+            rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm)), y_ms=ms_y,
+                             y_tflops=2 * N * d * h / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * h / ms_dx / 1e9))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        log(f"micro {rows[-1]}")
+    del y_slots, pre_out
     for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
                                       (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:
         grid = (num_tiles * triton.cdiv(h, bn * split),)

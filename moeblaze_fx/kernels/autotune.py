@@ -159,9 +159,10 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "down":
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
-    elif kind == "dw":  # H200, config A, at ad053fa: 128x256 440/423 TFLOP/s (dW_down/dW_gate_up), 256x128
-        # 413/454, 128x128x128 359/368; cuBLAS on pre-gathered copies 626/676, this kernel without the gather 471/477
-        cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    elif kind == "dw":  # H100, 2026-11-21, 039c1f6, slot operand through TMA (dW_down / dW_gate ms): config A
+        # 128x256 s4 8.61 / 10.02, 256x128 s3 10.18 / 9.30 (pointer loads, 128x256 s3: 10.03 / 9.99); config C
+        # 128x256 s4 1.04 / 1.21, 256x128 s3 1.18 / 1.05; 128x128 tiles 25-35 % slower everywhere
+        cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)]
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")

@@ -38,8 +38,6 @@ partials) are freed on return.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -490,30 +488,42 @@ def _expert_bias_grad_kernel(
 
 _expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
 _expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
-_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A"])
+_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A", "TMA"])
 # Keys (m_dim, n_dim, gather_a, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
 _DW_TUNED_KEYS: set[tuple] = set()
 
 
 def _dw_tma(slots: Tensor) -> bool:
-    """Whether the dW kernel reads the slot-ordered operand through a tensor descriptor (TMA): asked for
-    with MOEBLAZE_DW_TMA=1 (an experiment), and only where a descriptor can describe it (unit column
-    stride, 16-byte aligned base and row stride)."""
-    if os.environ.get("MOEBLAZE_DW_TMA", "0") != "1":
-        return False
+    """Whether the dW kernel reads the slot-ordered operand (dA, dB or w*H) through a tensor descriptor
+    (TMA on the GPU) bounded by each expert's segment, rather than through pointers: where a descriptor can
+    describe it (unit column stride, 16-byte aligned base and row stride) and the device has TMA (sm_90+;
+    the Triton interpreter runs descriptors too). H100, 2026-11-21 (benchmarks/NOTES-kernels.md): dW_down
+    at config A 10.03 -> 8.61 ms with 128x256x64 tiles and 4 stages."""
     item = slots.element_size()
-    ok = slots.stride(1) == 1 and (slots.stride(0) * item) % 16 == 0 and slots.data_ptr() % 16 == 0
-    if ok and not autotune.interpreting():
-        _ensure_tma_allocator()
-    return ok
+    if slots.stride(1) != 1 or (slots.stride(0) * item) % 16 or slots.data_ptr() % 16:
+        return False
+    if autotune.interpreting():
+        return True
+    if slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] < 9:
+        return False
+    _ensure_tma_allocator()
+    return True
 
 
 def _ensure_tma_allocator() -> None:
-    """Device-side tensor descriptors need a global scratch allocator; set one unless the user has."""
+    """Tensor descriptors built inside a kernel need global scratch (128 bytes a program) from Triton's
+    allocator: set one that takes it from PyTorch's caching allocator, unless the user has set their own.
+    The allocator is a context variable: this runs in the thread that launches (autograd's, in backward)."""
     from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    current = getattr(_allocation, "_allocator", None)
+    if current is not None and not isinstance(current.get(), _allocation.NullAllocator):
+        return
+    triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> Tensor:  # noqa: ARG001 (Triton's allocator signature)
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,

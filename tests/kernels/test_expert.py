@@ -339,6 +339,29 @@ def test_slot_windows_first_tiles_and_bounds():
         slot_windows(plan, -1)
 
 
+def test_dw_slot_operand_through_descriptor_or_pointers(monkeypatch):
+    # The dW kernel reads dA/dB and w*H through a tensor descriptor bounded by each expert's segment (rows past
+    # it read as zeros) where one can describe them, else through masked pointer loads: the same values in the
+    # same order, so the two give bitwise the same gradients (windows, ragged tails, an empty expert).
+    t = torch.zeros(8, 24)
+    assert expert_bwd._dw_tma(t) and expert_bwd._dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
+    assert not expert_bwd._dw_tma(torch.zeros(8, 6))  # 24-byte rows
+    assert not expert_bwd._dw_tma(t[:, 1:]) and not expert_bwd._dw_tma(t.t())  # misaligned base; column stride
+    case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, ids_mode="empty_expert", seed=11)
+    decisions = []
+    real = expert_bwd._dw_tma
+
+    def spy(slots):
+        decisions.append(real(slots))
+        return decisions[-1]
+    monkeypatch.setattr(expert_bwd, "_dw_tma", spy)
+    _, with_tma = run_kernels(case, "activations", window_slots=25)
+    assert decisions and all(decisions)
+    monkeypatch.setattr(expert_bwd, "_dw_tma", lambda slots: False)
+    _, without = run_kernels(case, "activations", window_slots=25)
+    assert all(torch.equal(a, b) for a, b in zip(with_tma["storage"], without["storage"]))
+
+
 def test_accumulate_adds_onto_existing_gradients(monkeypatch):
     # accumulate=True: C = C_before + this call's contribution; an expert with no slots keeps C_before bit for
     # bit. Autotuning forced on: the tuning launch writes a scratch buffer, never C (its configuration is
