@@ -108,6 +108,7 @@ FEATURES_PIN = os.environ.get("MB_FEATURES_PIN",
 ACCUMULATE = [(777, 224, 160, 8, 2, "swiglu", "hf_fused"), (555, 160, 224, 8, 2, OAI, "list")]
 # Parts to run, in this order: small (SwiGLU), features, accumulate, configs (A-D: correctness, timing).
 PARTS = os.environ.get("MB_PARTS", "small,features,accumulate,configs").split(",")
+MICRO_KERNELS = os.environ.get("MB_MICRO_KERNELS", "dw,up,dh").split(",")  # "up" covers up and down
 POLICIES = ("activations", "recompute")
 if DRY:
     CONFIGS = {"A": (64, 32, 48, 4, 2), "C": (50, 16, 24, 8, 3)}
@@ -508,7 +509,7 @@ def micro(result, name="A") -> None:
         m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
         if tma:
-            expert_bwd._ensure_tma_allocator()
+            expert_fwd.ensure_tma_allocator()
         kern[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, 0, N, N + 1, a.stride(0), a.stride(1),
                    b.stride(0), b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b,
                    OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
@@ -518,38 +519,39 @@ def micro(result, name="A") -> None:
     variants = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 4, 8, True),
                 (256, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8),
                 (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 4, 8, True), (128, 256, 128, 8, 2, 8, True)]
-    base = None
-    for v in variants:
-        try:
-            ms1 = bench(lambda: dw_launch(gy, hw, True, False, t_dd, *v), warmup=50, rep=200)
-            ms2 = bench(lambda: dw_launch(dpre[:, :h], x, False, True, t_dg, *v), warmup=50, rep=200)
-            if base is None:
-                base = (out_dd.clone(), out_dg.clone())
-            same = bool(torch.equal(out_dd, base[0]) and torch.equal(out_dg, base[1]))
-            rows.append(dict(kernel="dw", variant=str(v), dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
-                             dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9, bitwise_equal_to_first=same,
-                             max_abs_diff=max(float((out_dd.float() - base[0].float()).abs().max()),
-                                              float((out_dg.float() - base[1].float()).abs().max()))))
-        except Exception as exc:  # noqa: BLE001
-            rows.append(dict(kernel="dw", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:400]}"))
+    if "dw" in MICRO_KERNELS:
+        base = None
+        for v in variants:
+            try:
+                ms1 = bench(lambda: dw_launch(gy, hw, True, False, t_dd, *v), warmup=50, rep=200)
+                ms2 = bench(lambda: dw_launch(dpre[:, :h], x, False, True, t_dg, *v), warmup=50, rep=200)
+                if base is None:
+                    base = (out_dd.clone(), out_dg.clone())
+                same = bool(torch.equal(out_dd, base[0]) and torch.equal(out_dg, base[1]))
+                rows.append(dict(kernel="dw", variant=str(v), dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
+                                 dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9, bitwise_equal_to_first=same,
+                                 max_abs_diff=max(float((out_dd.float() - base[0].float()).abs().max()),
+                                                  float((out_dg.float() - base[1].float()).abs().max()))))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(kernel="dw", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:400]}"))
+            log(f"micro {rows[-1]}")
+        v = variants[0]
+        ms1 = bench(lambda: dw_launch(gy_slots, hw, False, False, t_dd, *v), warmup=50, rep=200)
+        ms2 = bench(lambda: dw_launch(dpre[:, :h], x_slots, False, False, t_dg, *v), warmup=50, rep=200)
+        rows.append(dict(kernel="dw no gather (pre-gathered copies)", variant=str(v), dW_down_ms=ms1,
+                         dW_down_tflops=flops_dd / ms1 / 1e9, dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
         log(f"micro {rows[-1]}")
-    v = variants[0]
-    ms1 = bench(lambda: dw_launch(gy_slots, hw, False, False, t_dd, *v), warmup=50, rep=200)
-    ms2 = bench(lambda: dw_launch(dpre[:, :h], x_slots, False, False, t_dg, *v), warmup=50, rep=200)
-    rows.append(dict(kernel="dw no gather (pre-gathered copies)", variant=str(v), dW_down_ms=ms1,
-                     dW_down_tflops=flops_dd / ms1 / 1e9, dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
-    log(f"micro {rows[-1]}")
-    bounds = off.tolist()
+        bounds = off.tolist()
 
-    def cublas(a, b, out):
-        for e in range(E):
-            lo, hi = bounds[e], bounds[e + 1]
-            torch.mm(a[lo:hi].t(), b[lo:hi], out=out[e])
-    ms1 = bench(lambda: cublas(gy_slots, hw, out_dd), warmup=50, rep=200)
-    ms2 = bench(lambda: cublas(dpre[:, :h], x_slots, out_dg), warmup=50, rep=200)
-    rows.append(dict(kernel="cuBLAS per-expert mm (pre-gathered)", dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
-                     dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
-    log(f"micro {rows[-1]}")
+        def cublas(a, b, out):
+            for e in range(E):
+                lo, hi = bounds[e], bounds[e + 1]
+                torch.mm(a[lo:hi].t(), b[lo:hi], out=out[e])
+        ms1 = bench(lambda: cublas(gy_slots, hw, out_dd), warmup=50, rep=200)
+        ms2 = bench(lambda: cublas(dpre[:, :h], x_slots, out_dg), warmup=50, rep=200)
+        rows.append(dict(kernel="cuBLAS per-expert mm (pre-gathered)", dW_down_ms=ms1, dW_down_tflops=flops_dd / ms1 / 1e9,
+                         dW_gate_ms=ms2, dW_gate_tflops=flops_dg / ms2 / 1e9))
+        log(f"micro {rows[-1]}")
 
     part = torch.zeros(h // 64 + 8, N, device=DEVICE, dtype=torch.float32)
     num_tiles = plan.tile_expert.numel()
@@ -560,66 +562,79 @@ def micro(result, name="A") -> None:
     pre_out = torch.empty(N, 2 * h, device=DEVICE, dtype=DTYPE)
     up_ref = None
     # up: (BLOCK_N, BLOCK_K, warps, stages, GROUP_M); the first two are the tuned candidates
-    for bn, bk, nw, ns, gm in [(128, 64, 8, 3, 8), (64, 64, 4, 4, 8), (128, 64, 8, 4, 8), (64, 64, 8, 4, 8),
-                               (128, 128, 8, 2, 8), (64, 128, 4, 3, 8), (128, 64, 8, 3, 16), (64, 64, 4, 3, 8)]:
-        grid = (num_tiles * triton.cdiv(h, bn),)
-        try:
-            ms = bench(lambda: expert_fwd._expert_up_kernel[grid](
-                x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
-                tile0, num_tiles, num_tiles, 0, N, d, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
-                u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
-                1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
-                W_ALIGN=expert_fwd.table_align(g_t, u_t), SAVE_PREACT=True, DOT_PRECISION="tf32", BLOCK_M=bm,
-                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
-            up_ref = hid.clone() if up_ref is None else up_ref
-            rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm)), ms=ms, tflops=4 * N * d * h / ms / 1e9,
-                             bitwise_equal_to_first=bool(torch.equal(hid, up_ref))))
-        except Exception as exc:  # noqa: BLE001
-            rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-        log(f"micro {rows[-1]}")
-    del up_ref
-    y_slots = torch.empty(N, d, device=DEVICE, dtype=DTYPE)
-    # down: forward Y = H @ W_down.T (k = h), backward dX = dA @ W_gate + dB @ W_up (k = 2 x h)
-    for bn, bk, nw, ns, gm in [(256, 64, 8, 3, 8), (128, 64, 8, 4, 8), (128, 64, 8, 3, 8), (128, 64, 4, 3, 8),
-                               (256, 64, 8, 4, 8), (128, 128, 8, 3, 8), (256, 128, 8, 2, 8), (64, 64, 4, 4, 8)]:
-        grid = (num_tiles * triton.cdiv(d, bn),)
-        meta = dict(HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                    num_warps=nw, num_stages=ns)
-        try:
-            ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
-                hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
-                num_tiles, 0, N, d, h, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
-                d_t.stride_r, y_slots.stride(0), y_slots.stride(1), TWO_B=False,
-                B_ALIGN=expert_fwd.table_align(d_t), **meta), warmup=50, rep=200)
-            ms_dx = bench(lambda: expert_fwd._expert_down_kernel[grid](
-                dpre, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
-                num_tiles, 0, N, d, h, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
-                u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
-                B_ALIGN=expert_fwd.table_align(g_t, u_t), **meta), warmup=50, rep=200)
-            rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm)), y_ms=ms_y,
-                             y_tflops=2 * N * d * h / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * h / ms_dx / 1e9))
-        except Exception as exc:  # noqa: BLE001
-            rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-        log(f"micro {rows[-1]}")
-    del y_slots, pre_out
-    for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
-                                      (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:
-        grid = (num_tiles * triton.cdiv(h, bn * split),)
-        try:
-            ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
-                gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, part, plan.token_index, off,
-                plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
-                x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c, d_t.stride_r, d_t.stride_c,
-                w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
-                hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
-                ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
-                W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
-                SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
-                num_stages=ns), warmup=50, rep=200)
-            rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
-        except Exception as exc:  # noqa: BLE001
-            rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
-        log(f"micro {rows[-1]}")
+    if "up" in MICRO_KERNELS:
+        up_mode = expert_fwd.weight_tma_mode([(t.stride_c, t.stride_r) for t in (g_t, u_t)],
+                                             expert_fwd.table_align(g_t, u_t), 2, x.device)
+        down_mode = expert_fwd.weight_tma_mode([(d_t.stride_c, d_t.stride_r)], expert_fwd.table_align(d_t), 2, x.device)
+        dx_mode = expert_fwd.weight_tma_mode([(t.stride_r, t.stride_c) for t in (g_t, u_t)],
+                                             expert_fwd.table_align(g_t, u_t), 2, x.device)
+        log(f"descriptor modes: up {up_mode}, down {down_mode}, dX {dx_mode}")
+        # (BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptors for the weights)
+        for bn, bk, nw, ns, gm, tma in [(128, 64, 8, 3, 8, False), (128, 64, 8, 3, 8, True), (128, 64, 8, 4, 8, False),
+                                        (128, 64, 8, 4, 8, True), (64, 64, 4, 4, 8, True), (128, 128, 8, 2, 8, True)]:
+            grid = (num_tiles * triton.cdiv(h, bn),)
+            try:
+                ms = bench(lambda: expert_fwd._expert_up_kernel[grid](
+                    x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
+                    tile0, num_tiles, num_tiles, 0, N, d, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
+                    u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
+                    1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
+                    W_ALIGN=expert_fwd.table_align(g_t, u_t), W_TMA=up_mode if tma else 0, SAVE_PREACT=True, DOT_PRECISION="tf32", BLOCK_M=bm,
+                    BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
+                up_ref = hid.clone() if up_ref is None else up_ref
+                rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm, tma)), ms=ms, tflops=4 * N * d * h / ms / 1e9,
+                                 bitwise_equal_to_first=bool(torch.equal(hid, up_ref))))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm, tma)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            log(f"micro {rows[-1]}")
+        del up_ref
+        y_slots = torch.empty(N, d, device=DEVICE, dtype=DTYPE)
+        # down: forward Y = H @ W_down.T (k = h), backward dX = dA @ W_gate + dB @ W_up (k = 2 x h)
+        down_ref = None
+        for bn, bk, nw, ns, gm, tma in [(256, 64, 8, 3, 8, False), (256, 64, 8, 3, 8, True), (256, 64, 8, 4, 8, False),
+                                        (256, 64, 8, 4, 8, True), (128, 64, 8, 4, 8, True), (128, 128, 8, 3, 8, True)]:
+            grid = (num_tiles * triton.cdiv(d, bn),)
+            meta = dict(HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                        num_warps=nw, num_stages=ns)
+            try:
+                ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
+                    hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
+                    num_tiles, 0, N, d, h, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
+                    d_t.stride_r, y_slots.stride(0), y_slots.stride(1), TWO_B=False,
+                    B_ALIGN=expert_fwd.table_align(d_t), B_TMA=down_mode if tma else 0, **meta), warmup=50, rep=200)
+                down_ref = y_slots.clone() if down_ref is None else down_ref
+                same_y = bool(torch.equal(y_slots, down_ref))
+                ms_dx = bench(lambda: expert_fwd._expert_down_kernel[grid](
+                    dpre, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
+                    num_tiles, 0, N, d, h, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
+                    u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
+                    B_ALIGN=expert_fwd.table_align(g_t, u_t), B_TMA=dx_mode if tma else 0, **meta), warmup=50, rep=200)
+                rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), y_ms=ms_y,
+                                 y_tflops=2 * N * d * h / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * h / ms_dx / 1e9,
+                                 y_bitwise_equal_to_first=same_y))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            log(f"micro {rows[-1]}")
+        del y_slots, pre_out, down_ref
+    if "dh" in MICRO_KERNELS:
+        for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
+                                          (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:
+            grid = (num_tiles * triton.cdiv(h, bn * split),)
+            try:
+                ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
+                    gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, part, plan.token_index, off,
+                    plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
+                    x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c, d_t.stride_r, d_t.stride_c,
+                    w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
+                    hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
+                    ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
+                    W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
+                    SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
+                    num_stages=ns), warmup=50, rep=200)
+                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            log(f"micro {rows[-1]}")
     for r in rows:
         r["config"] = name
     result.setdefault("micro", []).extend(rows)

@@ -145,8 +145,10 @@ def dweights_chunk() -> int:
 def kernel_configs(kind: str) -> list[KernelConfig]:
     """The autotuning candidates of one kernel kind (H100/H200, 16-bit operands). Kept short: every
     candidate costs a compile and a benchmark per new key."""
-    if kind == "up":  # two accumulators (gate, up) of block_m x block_n
+    if kind == "up":  # two accumulators (gate, up) of block_m x block_n. H100, 2026-11-21, pointer loads (ms):
+        # C 1.81 / 1.72 / 2.10, D 2.25 / 2.45 / 2.64 for these three; 64-wide tiles never won on A-D
         cfgs = [KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)]
     elif kind == "dh":  # one dH' accumulator, then an epilogue holding dH', A, B. A 128x64 tile is L2-bound
         # (H200, config A, at ad053fa: 262 TFLOP/s); block_n=128 spills 1 KB in the epilogue (and ran at 189);
@@ -156,8 +158,9 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_recompute":  # three accumulators: dH', A, B (170-175 registers, no spills)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=32, num_warps=8, num_stages=4)]
-    elif kind == "down":
+    elif kind == "down":  # H100, 2026-11-21, pointer loads, dX ms: C 1.65 / 1.60 / 2.06, D 2.06 / 2.03 / 2.52
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
     elif kind == "dw":  # H100, 2026-11-21, 039c1f6, slot operand through TMA (dW_down / dW_gate ms): config A
         # 128x256 s4 8.61 / 10.02, 256x128 s3 10.18 / 9.30 (pointer loads, 128x256 s3: 10.03 / 9.99); config C

@@ -58,6 +58,7 @@ from .expert_fwd import (
     down_project,
     slot_windows,
     table_align,
+    tma_available,
 )
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable
@@ -503,27 +504,7 @@ def _dw_tma(slots: Tensor) -> bool:
     item = slots.element_size()
     if slots.stride(1) != 1 or (slots.stride(0) * item) % 16 or slots.data_ptr() % 16:
         return False
-    if autotune.interpreting():
-        return True
-    if slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] < 9:
-        return False
-    _ensure_tma_allocator()
-    return True
-
-
-def _ensure_tma_allocator() -> None:
-    """Tensor descriptors built inside a kernel need global scratch (128 bytes a program) from Triton's
-    allocator: set one that takes it from PyTorch's caching allocator, unless the user has set their own.
-    The allocator is a context variable: this runs in the thread that launches (autograd's, in backward)."""
-    from triton.runtime import _allocation
-    current = getattr(_allocation, "_allocator", None)
-    if current is not None and not isinstance(current.get(), _allocation.NullAllocator):
-        return
-    triton.set_allocator(_torch_scratch)
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> Tensor:  # noqa: ARG001 (Triton's allocator signature)
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    return tma_available(slots.device)
 
 
 def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,

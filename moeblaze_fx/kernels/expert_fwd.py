@@ -102,6 +102,28 @@ def _table_ptr(table_ptr, e, elem_ty: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _w_desc(base, k_dim, n_dim, stride_k, stride_n, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90) over an expert's B [k_dim, n_dim] at ``base``: MODE 1 when n is the
+    contiguous axis, 2 when k is. Tiles past either bound read as zeros."""
+    if MODE == 1:
+        return tl.make_tensor_descriptor(base, shape=[k_dim, n_dim], strides=[stride_k, 1],
+                                         block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        return tl.make_tensor_descriptor(base, shape=[n_dim, k_dim], strides=[stride_n, 1],
+                                         block_shape=[BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _w_tile(desc, k0, n0, MODE: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of B at (k0, n0) through a descriptor from :func:`_w_desc`."""
+    if MODE == 1:
+        return desc.load([k0, n0])
+    else:
+        return desc.load([n0, k0]).T
+
+
+@triton.jit
 def _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot0, slot1):
     """Row tile ``pid_m`` of a launch over the slot window [slot0, slot1), counted from the window's first
     tile (``tile0_ptr``, computed on the device): (expert, tile start, first row, end row). The rows a
@@ -224,6 +246,7 @@ def _expert_up_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
     W_ALIGN: tl.constexpr,
+    W_TMA: tl.constexpr,  # 0: weight tiles through pointers; else through descriptors (see weight_tma_mode)
     SAVE_PREACT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -250,23 +273,35 @@ def _expert_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
     w_ty = x_ptr.dtype.element_ty
-    wg_ptrs = (_table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
-               + offs_n_ld[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
+    wg_base = _table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
     if GATED:
-        wu_ptrs = (_table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
-                   + offs_n_ld[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d)
+        wu_base = _table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+    if W_TMA:  # B[k, n] = W[e][n, k]; columns past h and k past d read as zeros
+        wg_desc = _w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
+        if GATED:
+            wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
+    else:
+        wg_ptrs = wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d  # [BK, BN]
+        if GATED:
+            wu_ptrs = wu_base + offs_n_ld[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d
 
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, d, BLOCK_K):
         if EVEN_K:
             xa = tl.load(x_ptrs)
+        else:
+            k_mask = offs_k < d - k0
+            xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        if W_TMA:
+            wg = _w_tile(wg_desc, k0, pid_n * BLOCK_N, W_TMA)
+            if GATED:
+                wu = _w_tile(wu_desc, k0, pid_n * BLOCK_N, W_TMA)
+        elif EVEN_K:
             wg = tl.load(wg_ptrs)
             if GATED:
                 wu = tl.load(wu_ptrs)
         else:
-            k_mask = offs_k < d - k0
-            xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
             if GATED:
                 wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
@@ -274,9 +309,10 @@ def _expert_up_kernel(
         if GATED:
             acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_x_d
-        wg_ptrs += BLOCK_K * stride_wg_d
-        if GATED:
-            wu_ptrs += BLOCK_K * stride_wu_d
+        if not W_TMA:
+            wg_ptrs += BLOCK_K * stride_wg_d
+            if GATED:
+                wu_ptrs += BLOCK_K * stride_wu_d
 
     e64 = e.to(tl.int64)
     if HAS_GATE_BIAS:
@@ -306,21 +342,32 @@ def _expert_up_kernel(
 
 
 @triton.jit
-def _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b_k,
-                     DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc += A[:, :k_dim] @ B[:k_dim, :], BLOCK_K at a time (the tail masked unless EVEN_K)."""
+def _row_tile_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_k, stride_b_n,
+                     B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += A[:, :k_dim] @ B[:k_dim, n0:n0 + BLOCK_N], BLOCK_K at a time (the tail masked unless EVEN_K);
+    B's tiles through pointers (columns ``offs_n_ld``) or, with B_TMA, a descriptor over B [k_dim, n_dim]."""
     offs_k = tl.arange(0, BLOCK_K)
+    if B_TMA:
+        b_desc = _w_desc(b_base, k_dim, n_dim, stride_b_k, stride_b_n, B_TMA, BLOCK_K, BLOCK_N)
+    else:
+        b_ptrs = b_base + offs_k[:, None] * stride_b_k + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [BK, BN]
     for k0 in range(0, k_dim, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
         else:
             k_mask = offs_k < k_dim - k0
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        if B_TMA:
+            b = _w_tile(b_desc, k0, n0, B_TMA)
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_a_k
-        b_ptrs += BLOCK_K * stride_b_k
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_b_k
     return acc
 
 
@@ -345,6 +392,7 @@ def _expert_down_kernel(
     stride_b1_k, stride_b1_n,
     stride_c_s, stride_c_n,
     TWO_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_ALIGN: tl.constexpr,
+    B_TMA: tl.constexpr,  # 0: B tiles through pointers; else through descriptors (see weight_tma_mode)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -369,16 +417,15 @@ def _expert_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     b_ty = a_ptr.dtype.element_ty
     a_ptrs = a_ptr + rows_ld[:, None] * stride_a_s + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    b_ptrs = (_table_ptr(b0_table_ptr, e, b_ty, B_ALIGN)
-              + offs_k[:, None] * stride_b0_k + offs_n_ld[None, :].to(tl.int64) * stride_b0_n)  # [BLOCK_K, BLOCK_N]
+    n0 = pid_n * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b0_k, DOT_PRECISION, BLOCK_K, EVEN_K)
+    acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim, n_dim,
+                           stride_a_k, stride_b0_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
-        a_ptrs = a_ptrs + k_dim * stride_a_k
-        b_ptrs = (_table_ptr(b1_table_ptr, e, b_ty, B_ALIGN)
-                  + offs_k[:, None] * stride_b1_k + offs_n_ld[None, :].to(tl.int64) * stride_b1_n)
-        acc = _row_tile_k_loop(acc, a_ptrs, b_ptrs, k_dim, stride_a_k, stride_b1_k, DOT_PRECISION, BLOCK_K, EVEN_K)
+        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN),
+                               offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA,
+                               DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)[None, :]
 
@@ -436,8 +483,8 @@ def _expert_combine_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT"])
-_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B"])
+_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA"])
+_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +501,45 @@ def table_align(*tables: WeightTable | None) -> int:
             a = int(getattr(t, "align", 1) or 1)
             align = min(align, a & -a)  # lowest set bit: a power of two dividing a
     return max(align, 1)
+
+
+def tma_available(device: torch.device) -> bool:
+    """Whether kernels may build tensor descriptors on ``device``: TMA (sm_90+), or the Triton interpreter
+    (which runs them too). Sets Triton's scratch allocator when needed (:func:`ensure_tma_allocator`)."""
+    if autotune.interpreting():
+        return True
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    ensure_tma_allocator()
+    return True
+
+
+def ensure_tma_allocator() -> None:
+    """Tensor descriptors built inside a kernel need global scratch (128 bytes a program) from Triton's
+    allocator: set one that takes it from PyTorch's caching allocator, unless the user has set their own.
+    The allocator is a context variable: this runs in the thread that launches (autograd's, in backward)."""
+    from triton.runtime import _allocation
+    current = getattr(_allocation, "_allocator", None)
+    if current is not None and not isinstance(current.get(), _allocation.NullAllocator):
+        return
+    triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> Tensor:  # noqa: ARG001 (Triton's allocator signature)
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def weight_tma_mode(strides: list[tuple[int, int]], align: int, itemsize: int, device: torch.device) -> int:
+    """How a launch reads its weight tiles B[e] [k, n], given each table's (stride_k, stride_n) and their
+    proven byte alignment: 1 = tensor descriptors with n contiguous, 2 = with k contiguous, 0 = pointers.
+    A descriptor needs a 16-byte aligned base, a unit stride and a 16-byte aligned other stride.
+    H100, 2026-11-21 (benchmarks/NOTES-kernels.md): see the up and down rows there."""
+    if align < 16 or not strides or not tma_available(device):
+        return 0
+    for mode, unit in ((1, 1), (2, 0)):
+        if all(st[unit] == 1 and (st[1 - unit] * itemsize) % 16 == 0 for st in strides):
+            return mode
+    return 0
 
 
 def _check_table(name: str, t: WeightTable, rows: int, cols: int, E: int, x: Tensor,
@@ -602,6 +688,7 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
         window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0, window.slot1, n_dim, k_dim,
         a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
         TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
+        B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device),
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out
@@ -681,6 +768,8 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
                 ACT=ACT_CODES[act.name], GATED=act.gated,
                 HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
                 W_ALIGN=table_align(w.gate, w.up),
+                W_TMA=weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], table_align(w.gate, w.up),
+                                      x.element_size(), x.device),
                 SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
             )
             del pre  # may alias hid: it must not outlive the window

@@ -15,7 +15,7 @@ import collections
 import pytest
 import torch
 
-from moeblaze_fx.kernels import autotune, expert_bwd
+from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd
 from moeblaze_fx.kernels.expert_bwd import expert_backward
 from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m, table_align
 from moeblaze_fx.kernels.reference import (
@@ -339,27 +339,49 @@ def test_slot_windows_first_tiles_and_bounds():
         slot_windows(plan, -1)
 
 
-def test_dw_slot_operand_through_descriptor_or_pointers(monkeypatch):
-    # The dW kernel reads dA/dB and w*H through a tensor descriptor bounded by each expert's segment (rows past
-    # it read as zeros) where one can describe them, else through masked pointer loads: the same values in the
-    # same order, so the two give bitwise the same gradients (windows, ragged tails, an empty expert).
+def test_descriptor_eligibility():
+    # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base.
     t = torch.zeros(8, 24)
     assert expert_bwd._dw_tma(t) and expert_bwd._dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
     assert not expert_bwd._dw_tma(torch.zeros(8, 6))  # 24-byte rows
     assert not expert_bwd._dw_tma(t[:, 1:]) and not expert_bwd._dw_tma(t.t())  # misaligned base; column stride
-    case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, ids_mode="empty_expert", seed=11)
-    decisions = []
-    real = expert_bwd._dw_tma
+    cpu = torch.device("cpu")
+    assert expert_fwd.weight_tma_mode([(24, 1), (48, 1)], 16, 4, cpu) == 1  # n contiguous in both tables
+    assert expert_fwd.weight_tma_mode([(1, 24)], 16, 2, cpu) == 2  # k contiguous
+    assert expert_fwd.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
+    assert expert_fwd.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
+    assert expert_fwd.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
 
-    def spy(slots):
-        decisions.append(real(slots))
-        return decisions[-1]
-    monkeypatch.setattr(expert_bwd, "_dw_tma", spy)
-    _, with_tma = run_kernels(case, "activations", window_slots=25)
-    assert decisions and all(decisions)
-    monkeypatch.setattr(expert_bwd, "_dw_tma", lambda slots: False)
-    _, without = run_kernels(case, "activations", window_slots=25)
-    assert all(torch.equal(a, b) for a, b in zip(with_tma["storage"], without["storage"]))
+
+@pytest.mark.parametrize("layout", ["dense", "transposed", "list"])
+def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
+    # Weight tiles (up, down, dX) and the dW kernel's slot-ordered operand go through tensor descriptors
+    # (rows or columns past a bound read as zeros) where one can describe them, else through masked or
+    # wrapped pointer loads: the same values in the same order, so bitwise the same outputs and gradients
+    # (windows, ragged tails, an empty expert; d = 40 is not a multiple of the interpreter's 16-wide tiles).
+    case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout=layout, ids_mode="empty_expert", seed=11)
+    modes, real_mode, real_dw = [], expert_fwd.weight_tma_mode, expert_bwd._dw_tma
+
+    def spy_mode(*args):
+        modes.append(real_mode(*args))
+        return modes[-1]
+
+    def spy_dw(slots):
+        modes.append(3 if real_dw(slots) else 0)
+        return modes[-1] == 3
+    monkeypatch.setattr(expert_fwd, "weight_tma_mode", spy_mode)
+    monkeypatch.setattr(expert_bwd, "_dw_tma", spy_dw)
+    y1, with_tma = run_kernels(case, "recompute", window_slots=25)
+    assert {1, 2, 3} <= set(modes), modes  # both weight orientations and the dW operand used descriptors
+    monkeypatch.setattr(expert_fwd, "tma_available", lambda device: False)
+    monkeypatch.setattr(expert_bwd, "tma_available", lambda device: False)
+    modes.clear()
+    y2, without = run_kernels(case, "recompute", window_slots=25)
+    assert set(modes) == {0}
+    assert torch.equal(y1, y2) and torch.equal(with_tma["x"], without["x"])
+    assert torch.equal(with_tma["weights"], without["weights"])
+    assert all(torch.equal(a, b) for a, b in zip(with_tma["storage"] + with_tma["biases"],
+                                                 without["storage"] + without["biases"]))
 
 
 def test_accumulate_adds_onto_existing_gradients(monkeypatch):
