@@ -617,9 +617,8 @@ def micro(result, name="A") -> None:
             log(f"micro {rows[-1]}")
         del y_slots, pre_out, down_ref
     if "dh" in MICRO_KERNELS:
-        wd_mode = expert_fwd.weight_tma_mode([(d_t.stride_r, d_t.stride_c)], expert_fwd.table_align(d_t), 2, x.device)
-        for bn, bk, nw, ns, split, gm, tma in [(64, 64, 8, 4, 2, 16, False), (64, 64, 8, 4, 2, 16, True),
-                                               (64, 128, 8, 3, 2, 8, False), (64, 128, 8, 3, 2, 8, True)]:
+        for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
+                                          (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:
             grid = (num_tiles * triton.cdiv(h, bn * split),)
             try:
                 ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
@@ -629,13 +628,12 @@ def micro(result, name="A") -> None:
                     w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
                     hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
                     ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
-                    W_ALIGN=expert_fwd.table_align(d_t), WD_TMA=wd_mode if tma else 0, WGU_TMA=0,
-                    RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
+                    W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
                     SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
                     num_stages=ns), warmup=50, rep=200)
-                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm, tma)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
+                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
             except Exception as exc:  # noqa: BLE001
-                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm, tma)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             log(f"micro {rows[-1]}")
     for r in rows:
         r["config"] = name

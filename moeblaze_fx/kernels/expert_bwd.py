@@ -51,8 +51,6 @@ from .expert_fwd import (
     _check_table,
     _grouped_tile_ids,
     _table_ptr,
-    _w_desc,
-    _w_tile,
     _window_tile,
     check_expert_inputs,
     combine,
@@ -61,7 +59,6 @@ from .expert_fwd import (
     slot_windows,
     table_align,
     tma_available,
-    weight_tma_mode,
 )
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable
@@ -179,8 +176,6 @@ def _expert_dh_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
     W_ALIGN: tl.constexpr,
-    WD_TMA: tl.constexpr,  # W_down tiles through descriptors (expert_fwd.weight_tma_mode), 0: pointers
-    WGU_TMA: tl.constexpr,  # likewise W_gate / W_up (RECOMPUTE)
     RECOMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     CHUNK_N: tl.constexpr,
@@ -213,24 +208,15 @@ def _expert_dh_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = grad_y_ptr + tok[:, None] * stride_g_t + offs_k[None, :] * stride_g_d  # [BLOCK_M, BLOCK_K]
     wd_e = _table_ptr(down_table_ptr, e, w_ty, W_ALIGN)
-    if WD_TMA:  # B[k, n] = W_down[e][k, n]; columns past h and k past d read as zeros
-        wd_desc = _w_desc(wd_e, d, h, stride_wd_d, stride_wd_n, WD_TMA, BLOCK_K, BLOCK_N)
-    else:
-        wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
-        wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
+    wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
+    wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
     if RECOMPUTE:
         x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
-        wg_e = _table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
+        wg_ptrs = (_table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
+                   + offs_n0[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
         if GATED:
-            wu_e = _table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
-        if WGU_TMA:  # B[k, n] = W_{gate|up}[e][n, k]
-            wg_desc = _w_desc(wg_e, d, h, stride_wg_d, stride_wg_n, WGU_TMA, BLOCK_K, BLOCK_N)
-            if GATED:
-                wu_desc = _w_desc(wu_e, d, h, stride_wu_d, stride_wu_n, WGU_TMA, BLOCK_K, BLOCK_N)
-        else:
-            wg_ptrs = wg_e + offs_n0[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d  # [BK, BN]
-            if GATED:
-                wu_ptrs = wu_e + offs_n0[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d
+            wu_ptrs = (_table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+                       + offs_n0[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d)
     wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k).to(tl.float32)
 
     acc_dh0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -240,43 +226,29 @@ def _expert_dh_kernel(
     for k0 in range(0, d, BLOCK_K):
         if EVEN_K:
             g = tl.load(g_ptrs)
+            wd0 = tl.load(wd0_ptrs)
         else:
             k_mask = offs_k < d - k0
             g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-        if WD_TMA:
-            wd0 = _w_tile(wd_desc, k0, col0, WD_TMA)
-        elif EVEN_K:
-            wd0 = tl.load(wd0_ptrs)
-        else:
             wd0 = tl.load(wd0_ptrs, mask=k_mask[:, None], other=0.0)
         acc_dh0 = tl.dot(g, wd0, acc_dh0, input_precision=DOT_PRECISION)
         g_ptrs += BLOCK_K * stride_g_d
-        if not WD_TMA:
-            wd0_ptrs += BLOCK_K * stride_wd_d
+        wd0_ptrs += BLOCK_K * stride_wd_d
         if SPLIT_N == 2:
-            if WD_TMA:
-                wd1 = _w_tile(wd_desc, k0, col0 + BLOCK_N, WD_TMA)
-            elif EVEN_K:
+            if EVEN_K:
                 wd1 = tl.load(wd1_ptrs)
             else:
                 wd1 = tl.load(wd1_ptrs, mask=k_mask[:, None], other=0.0)
             acc_dh1 = tl.dot(g, wd1, acc_dh1, input_precision=DOT_PRECISION)
-            if not WD_TMA:
-                wd1_ptrs += BLOCK_K * stride_wd_d
+            wd1_ptrs += BLOCK_K * stride_wd_d
         if RECOMPUTE:
             if EVEN_K:
                 xa = tl.load(x_ptrs)
-            else:
-                xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            if WGU_TMA:
-                wg = _w_tile(wg_desc, k0, col0, WGU_TMA)
-                if GATED:
-                    wu = _w_tile(wu_desc, k0, col0, WGU_TMA)
-            elif EVEN_K:
                 wg = tl.load(wg_ptrs)
                 if GATED:
                     wu = tl.load(wu_ptrs)
             else:
+                xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
                 wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
                 if GATED:
                     wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
@@ -284,10 +256,9 @@ def _expert_dh_kernel(
             if GATED:
                 acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_x_d
-            if not WGU_TMA:
-                wg_ptrs += BLOCK_K * stride_wg_d
-                if GATED:
-                    wu_ptrs += BLOCK_K * stride_wu_d
+            wg_ptrs += BLOCK_K * stride_wg_d
+            if GATED:
+                wu_ptrs += BLOCK_K * stride_wu_d
 
     if RECOMPUTE:  # the biases enter A|B before rounding, as in the forward
         if HAS_GATE_BIAS:
@@ -516,8 +487,8 @@ def _expert_bias_grad_kernel(
     tl.store(out_ptr + e.to(tl.int64) * n_dim + offs_n, tl.sum(acc, axis=0), mask=n_mask)
 
 
-_expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT", "WD_TMA"])
-_expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT", "WD_TMA", "WGU_TMA"])
+_expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
+_expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
 _expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A", "TMA"])
 # Keys (m_dim, n_dim, gather_a, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
@@ -695,10 +666,6 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 ACT=ACT_CODES[act.name], GATED=act.gated,
                 HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
                 W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-                WD_TMA=weight_tma_mode([(w.down.stride_r, w.down.stride_c)], table_align(w.down), x.element_size(),
-                                       x.device),
-                WGU_TMA=weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], table_align(w.gate, w.up),
-                                        x.element_size(), x.device) if recompute else 0,
                 RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
             )
             del pre  # may alias dpre: it must not outlive the window

@@ -355,7 +355,7 @@ def test_descriptor_eligibility():
 
 @pytest.mark.parametrize("layout", ["dense", "transposed", "list"])
 def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
-    # Weight tiles (up, down, dH', dX) and the dW kernel's slot-ordered operand go through tensor descriptors
+    # Weight tiles (up, down, dX) and the dW kernel's slot-ordered operand go through tensor descriptors
     # (rows or columns past a bound read as zeros) where one can describe them, else through masked or
     # wrapped pointer loads: the same values in the same order, so bitwise the same outputs and gradients
     # (windows, ragged tails, an empty expert; d = 40 is not a multiple of the interpreter's 16-wide tiles).
@@ -370,7 +370,6 @@ def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
         modes.append(3 if real_dw(slots) else 0)
         return modes[-1] == 3
     monkeypatch.setattr(expert_fwd, "weight_tma_mode", spy_mode)
-    monkeypatch.setattr(expert_bwd, "weight_tma_mode", spy_mode)  # dh: W_down, and W_gate / W_up (recompute)
     monkeypatch.setattr(expert_bwd, "_dw_tma", spy_dw)
     y1, with_tma = run_kernels(case, "recompute", window_slots=25)
     assert {1, 2, 3} <= set(modes), modes  # both weight orientations and the dW operand used descriptors
