@@ -48,6 +48,7 @@ untuned, so the operator may prefer the plain-PyTorch path for fp32.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -505,7 +506,10 @@ def table_align(*tables: WeightTable | None) -> int:
 
 def tma_available(device: torch.device) -> bool:
     """Whether kernels may build tensor descriptors on ``device``: TMA (sm_90+), or the Triton interpreter
-    (which runs them too). Sets Triton's scratch allocator when needed (:func:`ensure_tma_allocator`)."""
+    (which runs them too), unless ``MOEBLAZE_TMA=0`` (pointer loads everywhere: for comparisons). Sets
+    Triton's scratch allocator when needed (:func:`ensure_tma_allocator`)."""
+    if os.environ.get("MOEBLAZE_TMA", "1") == "0":
+        return False
     if autotune.interpreting():
         return True
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:

@@ -339,8 +339,9 @@ def test_slot_windows_first_tiles_and_bounds():
         slot_windows(plan, -1)
 
 
-def test_descriptor_eligibility():
-    # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base.
+def test_descriptor_eligibility(monkeypatch):
+    # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base;
+    # MOEBLAZE_TMA=0 turns them off.
     t = torch.zeros(8, 24)
     assert expert_bwd._dw_tma(t) and expert_bwd._dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
     assert not expert_bwd._dw_tma(torch.zeros(8, 6))  # 24-byte rows
@@ -351,6 +352,8 @@ def test_descriptor_eligibility():
     assert expert_fwd.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
     assert expert_fwd.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
     assert expert_fwd.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
+    monkeypatch.setenv("MOEBLAZE_TMA", "0")
+    assert expert_fwd.weight_tma_mode([(24, 1)], 16, 4, cpu) == 0 and not expert_bwd._dw_tma(t)
 
 
 @pytest.mark.parametrize("layout", ["dense", "transposed", "list"])
