@@ -42,6 +42,13 @@ every weight load becomes a 2-byte access (no cp.async, no 16-byte vectors). The
 tables' proven alignment as a constexpr (``W_ALIGN``, from ``WeightTable.align`` when the table has that
 field; 1 otherwise) and the kernels assert it with ``tl.multiple_of``.
 
+Tensor descriptors: where a weight matrix has a unit stride, a 16-byte aligned other stride and a proven
+16-byte aligned base, the up and down kernels read its tiles through a descriptor built in the kernel
+from ``ptrs[e]`` (TMA on sm_90; :func:`weight_tma_mode` picks the orientation, ``W_TMA`` / ``B_TMA``), and
+the backward's dW kernel does the same for its slot-ordered operand. Tiles past a bound read as zeros,
+which gives the same values as the masked or wrapped pointer loads: the two paths are bitwise equal.
+``MOEBLAZE_TMA=0`` turns descriptors off.
+
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
 untuned, so the operator may prefer the plain-PyTorch path for fp32.
