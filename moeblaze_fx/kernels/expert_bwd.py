@@ -519,16 +519,20 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
     def grid(meta):
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
+    tma = _dw_tma(b if gather_a else a)
+
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
             a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
             GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
-            TMA=_dw_tma(b if gather_a else a), O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
+            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
         )
 
-    key = (m_dim, n_dim, gather_a, a.dtype, b.dtype, out.dtype)
+    # At least as fine as the autotuner's key (m_dim, n_dim, GATHER_A, TMA and the operand dtypes): a key
+    # coarser than the tuner's would let an adding launch be the first of a new tuner key, and be timed.
+    key = (m_dim, n_dim, gather_a, tma, a.dtype, b.dtype, out.dtype)
     adds = accumulate or window[0] > 0  # windows after the first add onto experts started earlier
     if adds and autotune.autotuning() and key not in _DW_TUNED_KEYS:
         # The autotuner runs a kernel many times while timing it: an accumulating launch would add its

@@ -46,7 +46,8 @@ Tensor descriptors: where a weight matrix has a unit stride, a 16-byte aligned o
 16-byte aligned base, the up and down kernels read its tiles through a descriptor built in the kernel
 from ``ptrs[e]`` (TMA on sm_90; :func:`weight_tma_mode` picks the orientation, ``W_TMA`` / ``B_TMA``), and
 the backward's dW kernel does the same for its slot-ordered operand. Tiles past a bound read as zeros,
-which gives the same values as the masked or wrapped pointer loads: the two paths are bitwise equal.
+where the pointer loads mask or wrap; both feed only outputs that are dropped at the store or zero
+terms, so the stored results of the two paths are bitwise equal.
 ``MOEBLAZE_TMA=0`` turns descriptors off.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
@@ -519,16 +520,17 @@ def tma_available(device: torch.device) -> bool:
         return False
     if autotune.interpreting():
         return True
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
+    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] < 9:
+        return False  # (ROCm: descriptors untested there)
     ensure_tma_allocator()
     return True
 
 
 def ensure_tma_allocator() -> None:
-    """Tensor descriptors built inside a kernel need global scratch (128 bytes a program) from Triton's
-    allocator: set one that takes it from PyTorch's caching allocator, unless the user has set their own.
-    The allocator is a context variable: this runs in the thread that launches (autograd's, in backward)."""
+    """Tensor descriptors built inside a kernel need global scratch (128 bytes per descriptor and program)
+    from Triton's allocator: set one that takes it from PyTorch's caching allocator, unless the user has
+    set their own. The allocator is a context variable: this runs in the thread that launches (autograd's,
+    in backward), where an allocator the user set in another thread is not seen and this one is set."""
     from triton.runtime import _allocation
     current = getattr(_allocation, "_allocator", None)
     if current is not None and not isinstance(current.get(), _allocation.NullAllocator):
@@ -699,7 +701,8 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
         window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0, window.slot1, n_dim, k_dim,
         a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
         TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
-        B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device),
+        B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device)
+        if k_dim > 0 else 0,  # h = 0 (a down bias alone): no tile to load
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out

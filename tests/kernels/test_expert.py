@@ -356,6 +356,19 @@ def test_descriptor_eligibility(monkeypatch):
     assert expert_fwd.weight_tma_mode([(24, 1)], 16, 4, cpu) == 0 and not expert_bwd._dw_tma(t)
 
 
+def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
+    # h = 6 in float32: dA = dpre[:, :6] starts 16-byte aligned (a descriptor), dB = dpre[:, 6:] 24 bytes in
+    # (pointer loads). The autotuner keys them apart (TMA is in its key), so the bookkeeping that keeps an
+    # adding launch from being timed must too; else dW_up, adding, would be the first of its tuner key.
+    monkeypatch.setattr(autotune, "autotuning", lambda: True)
+    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
+    case = make_case(21, 16, 6, 3, 2, act="swiglu", ids_mode="empty_expert", seed=3)
+    before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(2)) for s in case["storage"]]
+    check_against_reference(case, "activations", tol=1e-5, grads=[b.clone() for b in before], accumulate=True)
+    gate_up_keys = {k for k in expert_bwd._DW_TUNED_KEYS if k[:3] == (6, 16, False)}
+    assert {k[3] for k in gate_up_keys} == {True, False}
+
+
 @pytest.mark.parametrize("layout", ["dense", "transposed", "list"])
 def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
     # Weight tiles (up, down, dX) and the dW kernel's slot-ordered operand go through tensor descriptors
