@@ -490,7 +490,7 @@ def _expert_bias_grad_kernel(
 _expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
 _expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
 _expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A", "TMA"])
-# Keys (m_dim, n_dim, gather_a, operand dtypes, out dtype) whose autotuning has been done by a
+# Keys (m_dim, n_dim, gather_a, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
 _DW_TUNED_KEYS: set[tuple] = set()
 

@@ -546,7 +546,7 @@ def weight_tma_mode(strides: list[tuple[int, int]], align: int, itemsize: int, d
     """How a launch reads its weight tiles B[e] [k, n], given each table's (stride_k, stride_n) and their
     proven byte alignment: 1 = tensor descriptors with n contiguous, 2 = with k contiguous, 0 = pointers.
     A descriptor needs a 16-byte aligned base, a unit stride and a 16-byte aligned other stride.
-    H100, 2026-11-21 (benchmarks/NOTES-kernels.md): see the up and down rows there."""
+    Measured: benchmarks/RESULTS.md, "Tensor descriptors" (the up and down rows)."""
     if align < 16 or not strides or not tma_available(device):
         return 0
     for mode, unit in ((1, 1), (2, 0)):
