@@ -1,0 +1,85 @@
+"""Same-process A/B of an environment switch on the layer step, with the layer bench's timer.
+
+    PYTHONPATH=. python3 benchmarks/ab_device.py OUTDIR [--var MOEBLAZE_TMA] [--values 1,0] [--rounds 3]
+        [--configs C,D] [--providers moeblaze-recompute,moeblaze-lowmem] [--shape T,d,h,E,K ...]
+
+For each shape and provider, the rounds alternate the variable's values (A B A B ...), each round timing
+the forward + backward of one layer (router included) as ``moeblaze bench`` does: CUDA events, median of
+--reps steps, L2 flushed before each, inputs rotated. Autotuning and compilation happen in the first,
+untimed steps of every value. The spread between rounds of the same value says what a difference between
+values must exceed. Writes OUTDIR/ab.json and prints a markdown table (median over rounds, min-max).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, LayerConfig, _grads, free_memory, layer_flops, make_inputs, \
+    parse_config, time_steps
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir")
+    p.add_argument("--var", default="MOEBLAZE_TMA")
+    p.add_argument("--values", default="1,0")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--configs", default="C,D")
+    p.add_argument("--shape", action="append", default=[], metavar="T,d,h,E,K")
+    p.add_argument("--providers", default="moeblaze-recompute,moeblaze-lowmem")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--commit", default=os.environ.get("MOEBLAZE_COMMIT", "unknown"))
+    args = p.parse_args()
+    os.makedirs(args.outdir, exist_ok=True)
+    dev = torch.device(args.device)
+    values = args.values.split(",")
+    shapes: list[LayerConfig] = [CONFIGS[c] for c in args.configs.split(",") if c]
+    shapes += [parse_config(s) for s in args.shape]
+    rows = []
+    t_start = time.time()
+    for cfg in shapes:
+        inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
+        for prov in args.providers.split(","):
+            layer, _note = PROVIDERS[prov].build(dev, torch.bfloat16)
+            times: dict[str, list[float]] = {v: [] for v in values}
+            for r in range(args.rounds):
+                for v in values:
+                    os.environ[args.var] = v
+                    if r == 0:
+                        _grads(layer, inputs, 0)  # compile / autotune this value's kernels untimed
+                    ms, how = time_steps(lambda i: _grads(layer, inputs, i), dev, 1, args.reps)
+                    times[v].append(ms)
+            row = dict(config=cfg.name, shape=cfg.shape, provider=prov, var=args.var, times=times, timer=how,
+                       tflops={v: layer_flops(cfg) / statistics.median(t) / 1e9 for v, t in times.items()})
+            rows.append(row)
+            print(f"{cfg.name} {prov}: " + ", ".join(f"{args.var}={v}: {', '.join(f'{t:.2f}' for t in ts)} ms"
+                                                     for v, ts in times.items()), flush=True)
+            del layer
+            free_memory(dev)
+        del inputs
+        free_memory(dev)
+    os.environ.pop(args.var, None)
+    result = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                  triton=__import__("triton").__version__, commit=args.commit,
+                  date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t_start, 1), rows=rows)
+    with open(os.path.join(args.outdir, "ab.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}, commit {args.commit}; "
+          f"{rows[0]['timer'] if rows else ''}; {args.rounds} rounds, alternating\n")
+    print("| config | provider | " + " | ".join(f"{args.var}={v} ms (min-max)" for v in values) + " |")
+    print("|---|---|" + "---|" * len(values))
+    for row in rows:
+        cells = [f"{statistics.median(ts):.2f} ({min(ts):.2f}-{max(ts):.2f})" for ts in row["times"].values()]
+        print(f"| {row['config']} | {row['provider']} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
