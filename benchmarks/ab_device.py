@@ -24,6 +24,32 @@ from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, LayerConfig, _grads, fre
     parse_config, time_steps
 
 
+def kernel_times(step, dev) -> dict[str, list]:
+    """{kernel name: [device ms summed over one step, launches]} from torch.profiler, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    out = {}
+    for ev in prof.key_averages():
+        t_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
+        if t_us > 0 and (dev.type != "cuda" or ev.device_type.name == "CUDA"):
+            out[ev.key[:70]] = [round(t_us / 1e3, 3), ev.count]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def print_kernels(per_value: dict[str, dict[str, list]], top: int = 14) -> None:
+    names = list(dict.fromkeys(n for k in per_value.values() for n in list(k)[:top]))
+    for v, k in per_value.items():
+        print(f"  value {v}: total {sum(t for t, _ in k.values()):.2f} ms over {sum(c for _, c in k.values())} launches")
+    for n in names:
+        cells = ", ".join(f"{per_value[v].get(n, [0.0, 0])[0]:.3f} ms x{per_value[v].get(n, [0.0, 0])[1]}"
+                          for v in per_value)
+        print(f"    {n[:60]:60s} {cells}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("outdir")
@@ -35,6 +61,8 @@ def main() -> int:
     p.add_argument("--shape", action="append", default=[], metavar="T,d,h,E,K")
     p.add_argument("--providers", default="moeblaze-recompute,moeblaze-lowmem")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--profile", action="store_true",
+                   help="then one step per value under torch.profiler: device time per kernel name")
     p.add_argument("--commit", default=os.environ.get("MOEBLAZE_COMMIT", "unknown"))
     args = p.parse_args()
     os.makedirs(args.outdir, exist_ok=True)
@@ -58,6 +86,12 @@ def main() -> int:
                     times[v].append(ms)
             row = dict(config=cfg.name, shape=cfg.shape, provider=prov, var=args.var, times=times, timer=how,
                        tflops={v: layer_flops(cfg) / statistics.median(t) / 1e9 for v, t in times.items()})
+            if args.profile:
+                row["kernels"] = {}
+                for v in values:
+                    os.environ[args.var] = v
+                    row["kernels"][v] = kernel_times(lambda: _grads(layer, inputs, 0), dev)
+                print_kernels(row["kernels"])
             rows.append(row)
             print(f"{cfg.name} {prov}: " + ", ".join(f"{args.var}={v}: {', '.join(f'{t:.2f}' for t in ts)} ms"
                                                      for v, ts in times.items()), flush=True)
