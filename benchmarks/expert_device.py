@@ -511,8 +511,8 @@ def micro(result, name="A") -> None:
         if tma:
             expert_fwd.ensure_tma_allocator()
         kern[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, 0, N, N + 1, a.stride(0), a.stride(1),
-                   b.stride(0), b.stride(1), out.stride_r, out.stride_c, size_class=0, GATHER_A=gather_a,
-                   GATHER_B=gather_b, OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
+                   b.stride(0), b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b,
+                   OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
                    DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
 
     flops_dd, flops_dg = 2 * N * d * h, 2 * N * d * h
@@ -578,9 +578,8 @@ def micro(result, name="A") -> None:
                     x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
                     tile0, num_tiles, num_tiles, 0, N, d, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
                     u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
-                    1.0, 0.0, size_class=0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False,
-                    HAS_UP_BIAS=False, W_ALIGN=expert_fwd.table_align(g_t, u_t), W_TMA=up_mode if tma else 0,
-                    SAVE_PREACT=True, DOT_PRECISION="tf32", BLOCK_M=bm,
+                    1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
+                    W_ALIGN=expert_fwd.table_align(g_t, u_t), W_TMA=up_mode if tma else 0, SAVE_PREACT=True, DOT_PRECISION="tf32", BLOCK_M=bm,
                     BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
                 up_ref = hid.clone() if up_ref is None else up_ref
                 rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm, tma)), ms=ms, tflops=4 * N * d * h / ms / 1e9,
@@ -601,14 +600,14 @@ def micro(result, name="A") -> None:
                 ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
                     hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
                     num_tiles, 0, N, d, h, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
-                    d_t.stride_r, y_slots.stride(0), y_slots.stride(1), size_class=0, TWO_B=False,
+                    d_t.stride_r, y_slots.stride(0), y_slots.stride(1), TWO_B=False,
                     B_ALIGN=expert_fwd.table_align(d_t), B_TMA=down_mode if tma else 0, **meta), warmup=50, rep=200)
                 down_ref = y_slots.clone() if down_ref is None else down_ref
                 same_y = bool(torch.equal(y_slots, down_ref))
                 ms_dx = bench(lambda: expert_fwd._expert_down_kernel[grid](
                     dpre, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
                     num_tiles, 0, N, d, h, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
-                    u_t.stride_c, y_slots.stride(0), y_slots.stride(1), size_class=0, TWO_B=True,
+                    u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
                     B_ALIGN=expert_fwd.table_align(g_t, u_t), B_TMA=dx_mode if tma else 0, **meta), warmup=50, rep=200)
                 rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), y_ms=ms_y,
                                  y_tflops=2 * N * d * h / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * h / ms_dx / 1e9,
@@ -627,7 +626,7 @@ def micro(result, name="A") -> None:
                     plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
                     x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c, d_t.stride_r, d_t.stride_c,
                     w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
-                    hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0, size_class=0,
+                    hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
                     ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
                     W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
                     SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,

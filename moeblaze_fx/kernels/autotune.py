@@ -26,7 +26,6 @@ the plan's ``tile_expert``/``tile_start`` are built for one tile height.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -43,7 +42,6 @@ __all__ = [
     "plan_block_m",
     "kernel_configs",
     "dweights_chunk",
-    "size_class",
     "tuned",
     "launch",
 ]
@@ -174,15 +172,6 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     if kind in ("dh", "dh_recompute"):
         assert all(c.block_n % _DWEIGHTS_CHUNK == 0 and c.block_n * c.split_n <= 256 for c in cfgs)
     return cfgs
-
-
-def size_class(rows: int) -> int:
-    """The size term of every tuned kernel's autotuning key: log2 of the slots a launch covers (its window),
-    rounded. Windows make launches over fewer rows than whole-plan ones (smaller grids, shorter dW
-    contractions), and the best tile need not be the same: without this term, whichever launch came first
-    chose for both (benchmarks/NOTES-kernels.md). Callers pass the class of a call's largest window
-    (``SlotWindow.size_class``), so all windows of one call share one."""
-    return round(math.log2(rows)) if rows > 1 else 0
 
 
 def tuned(kernel, kind: str, key: list[str]):

@@ -173,7 +173,6 @@ def _expert_dh_kernel(
     stride_hw_s, stride_hw_n,
     stride_part_c,
     alpha, limit,  # fp32: swiglu_oai's parameters (unused otherwise)
-    size_class,  # autotuning key only (autotune.size_class of the window's slots)
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
     W_ALIGN: tl.constexpr,
@@ -294,7 +293,6 @@ def _expert_dw_kernel(
     stride_a_r, stride_a_m,
     stride_b_r, stride_b_n,
     stride_o_m, stride_o_n,
-    size_class,  # autotuning key only (autotune.size_class of the window's slots)
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
     OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
     MAY_ADD: tl.constexpr,  # ACCUMULATE or slot0 > 0: some program may start from C (else no C load at all)
@@ -489,11 +487,9 @@ def _expert_bias_grad_kernel(
     tl.store(out_ptr + e.to(tl.int64) * n_dim + offs_n, tl.sum(acc, axis=0), mask=n_mask)
 
 
-_DH_KEY = ["d", "h", "ACT", "size_class"]
-_expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=_DH_KEY)
-_expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=_DH_KEY)
-_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw",
-                                  key=["m_dim", "n_dim", "GATHER_A", "TMA", "size_class"])
+_expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
+_expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
+_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A", "TMA"])
 # Keys (m_dim, n_dim, gather_a, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
 _DW_TUNED_KEYS: set[tuple] = set()
@@ -512,10 +508,9 @@ def _dw_tma(slots: Tensor) -> bool:
 
 
 def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,
-                 accumulate: bool, window: tuple[int, int, int], size: int) -> None:
+                 accumulate: bool, window: tuple[int, int, int]) -> None:
     """dW[e] (+)= sum over e's slots in the window of a[row].T @ b[row], written through the table ``out``;
-    rows are tokens (gathered) or the window's slots. ``window`` = (slot0, slot1, own_end): see the kernel;
-    ``size``: the window's ``size_class`` (autotuning key)."""
+    rows are tokens (gathered) or the window's slots. ``window`` = (slot0, slot1, own_end): see the kernel."""
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
@@ -530,14 +525,14 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
         autotune.launch(
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
             a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c, size,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
             GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
             TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
         )
 
-    # At least as fine as the autotuner's key (m_dim, n_dim, GATHER_A, TMA, size_class and the operand dtypes):
-    # a key coarser than the tuner's would let an adding launch be the first of a new tuner key, and be timed.
-    key = (m_dim, n_dim, gather_a, tma, size, a.dtype, b.dtype, out.dtype)
+    # At least as fine as the autotuner's key (m_dim, n_dim, GATHER_A, TMA and the operand dtypes): a key
+    # coarser than the tuner's would let an adding launch be the first of a new tuner key, and be timed.
+    key = (m_dim, n_dim, gather_a, tma, a.dtype, b.dtype, out.dtype)
     adds = accumulate or window[0] > 0  # windows after the first add onto experts started earlier
     if adds and autotune.autotuning() and key not in _DW_TUNED_KEYS:
         # The autotuner runs a kernel many times while timing it: an accumulating launch would add its
@@ -671,7 +666,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 weights.stride(0), weights.stride(1),
                 pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
                 part.stride(0),
-                float(act.alpha), float(act.limit), win.size_class,
+                float(act.alpha), float(act.limit),
                 ACT=ACT_CODES[act.name], GATED=act.gated,
                 HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
                 W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
@@ -679,7 +674,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             )
             del pre  # may alias dpre: it must not outlive the window
         if not skip:
-            _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate, dw_window, win.size_class)  # [E, d, h]
+            _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
         del hw
         if busy:
             dx_slots = x.new_empty((n, d))
@@ -688,9 +683,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                          (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
                          table_align(w.gate, w.up), d, plan, dx_slots, None, win)
         if not skip:
-            _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate, dw_window, win.size_class)
+            _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate, dw_window)  # [E, h, d]
             if act.gated:
-                _weight_grad(dpre[:, h:], x, False, grads.up, plan, K, accumulate, dw_window, win.size_class)
+                _weight_grad(dpre[:, h:], x, False, grads.up, plan, K, accumulate, dw_window)  # [E, h, d]
         if gate_bias is not None:
             d_gate_bias += _bias_grad(dpre[:, :h], False, None, plan, K, E, window=(s0, s1))
         if up_bias is not None:

@@ -252,7 +252,6 @@ def _expert_up_kernel(
     stride_hid_s, stride_hid_n,
     stride_pre_s, stride_pre_n,
     alpha, limit,  # fp32: swiglu_oai's parameters (unused otherwise)
-    size_class,  # autotuning key only (autotune.size_class of the window's slots)
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
     W_ALIGN: tl.constexpr,
@@ -401,7 +400,6 @@ def _expert_down_kernel(
     stride_b0_k, stride_b0_n,
     stride_b1_k, stride_b1_n,
     stride_c_s, stride_c_n,
-    size_class,  # autotuning key only (autotune.size_class of the window's slots)
     TWO_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_ALIGN: tl.constexpr,
     B_TMA: tl.constexpr,  # 0: B tiles through pointers; else through descriptors (see weight_tma_mode)
     DOT_PRECISION: tl.constexpr,
@@ -494,9 +492,8 @@ def _expert_combine_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up",
-                                  key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA", "size_class"])
-_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA", "size_class"])
+_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA"])
+_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,7 +640,6 @@ class SlotWindow(NamedTuple):
     slot1: int
     tile0: Tensor  # [1] int32 on the device: the first row tile that meets the window
     num_tiles: int  # a bound on the row tiles that meet the window: the launches' grid
-    size_class: int  # autotune.size_class of the call's largest window: every window of one call shares it
 
 
 def num_slot_windows(num_slots: int, window_slots: int) -> int:
@@ -666,7 +662,7 @@ def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
     dev = plan.token_index.device
     count = num_slot_windows(N, window_slots)
     if count == 1:
-        return [SlotWindow(0, N, torch.zeros(1, dtype=torch.int32, device=dev), total, autotune.size_class(N))]
+        return [SlotWindow(0, N, torch.zeros(1, dtype=torch.int32, device=dev), total)]
     step = triton.cdiv(N, count)
     bm = plan_block_m()
     te = plan.tile_expert.long()
@@ -674,9 +670,8 @@ def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
     ends = torch.where(te >= 0, ends, torch.iinfo(torch.int64).max)  # unused tiles: after every slot
     starts = torch.arange(0, N, step, device=dev, dtype=torch.int64)
     firsts = torch.searchsorted(ends, starts, right=True).to(torch.int32)  # first tile ending after slot0
-    size = autotune.size_class(step)
-    return [SlotWindow(s0, min(s0 + step, N), firsts[i: i + 1], min(total, max_tiles(min(step, N - s0), E, bm) + 1),
-                       size) for i, s0 in enumerate(range(0, N, step))]
+    return [SlotWindow(s0, min(s0 + step, N), firsts[i: i + 1], min(total, max_tiles(min(step, N - s0), E, bm) + 1))
+            for i, s0 in enumerate(range(0, N, step))]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -705,7 +700,6 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
         a, b0[0], b1[0], bias if bias is not None else a, out, plan.offsets, plan.tile_expert, plan.tile_start,
         window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0, window.slot1, n_dim, k_dim,
         a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
-        window.size_class,
         TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
         B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device)
         if k_dim > 0 else 0,  # h = 0 (a down bias alone): no tile to load
@@ -784,7 +778,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
                 w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
                 hid.stride(0), hid.stride(1),
                 pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
-                float(act.alpha), float(act.limit), win.size_class,
+                float(act.alpha), float(act.limit),
                 ACT=ACT_CODES[act.name], GATED=act.gated,
                 HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
                 W_ALIGN=table_align(w.gate, w.up),

@@ -369,30 +369,6 @@ def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
     assert {k[3] for k in gate_up_keys} == {True, False}
 
 
-def test_tuning_keys_hold_the_window_size_class(monkeypatch):
-    # Windowed launches cover fewer slots (smaller grids, shorter dW contractions) than whole-plan ones: every
-    # tuned kernel's key holds the size class of the call's largest window, so the two are tuned apart, and
-    # the windows of one call (equal to a slot) share one class.
-    from moeblaze_fx.kernels.expert_fwd import slot_windows
-    assert [autotune.size_class(n) for n in (0, 1, 2, 3, 18720, 131072)] == [0, 0, 1, 2, 14, 17]
-    for tuned in (expert_fwd._expert_up_tuned, expert_fwd._expert_down_tuned, expert_bwd._expert_dh_tuned,
-                  expert_bwd._expert_dh_recompute_tuned, expert_bwd._expert_dw_tuned):
-        assert "size_class" in tuned.keys
-    ids = make_case(61, 8, 8, 6, 3, ids_mode="sentinel", seed=12)["ids"]
-    plan = dispatch_reference(ids, 6, block_m=plan_block_m())  # 183 slots
-    assert [w.size_class for w in slot_windows(plan, 0)] == [autotune.size_class(183)]
-    wins = slot_windows(plan, 50)  # 46, 46, 46, 45 slots
-    assert [w.slot1 - w.slot0 for w in wins] == [46, 46, 46, 45]
-    assert {w.size_class for w in wins} == {autotune.size_class(46)}
-    # The dW bookkeeping (which keeps adding launches from being timed) keys on the class as the tuner does.
-    monkeypatch.setattr(autotune, "autotuning", lambda: True)
-    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
-    case = make_case(21, 16, 8, 3, 2, act="swiglu", ids_mode="empty_expert", seed=3)  # 42 slots
-    check_against_reference(case, "activations", tol=1e-5)
-    check_against_reference(case, "activations", tol=1e-5, window_slots=10)  # 5 windows of 9 or 8 slots
-    assert {k[4] for k in expert_bwd._DW_TUNED_KEYS} == {autotune.size_class(42), autotune.size_class(9)}
-
-
 @pytest.mark.parametrize("layout", ["dense", "transposed", "list"])
 def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
     # Weight tiles (up, down, dX) and the dW kernel's slot-ordered operand go through tensor descriptors
