@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The cuda-marked tests on the GPU machine, in NGROUPS parallel pytest processes (default 6): most of their
+# time is Triton compiling the autotuning candidates of each new shape, which is CPU work, so groups
+# sharing the GPU finish several times sooner than one process.
+#
+#   bash benchmarks/cuda_tests.sh OUT [pytest selection, default: tests]
+#
+# Writes OUT/group-I.log per group and prints each group's last line and every failure's summary.
+set -uo pipefail
+out=${1:?usage: bash benchmarks/cuda_tests.sh OUT [paths]}
+shift
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+groups=${NGROUPS:-6}
+python3 -m pytest -q -p no:cacheprovider -m cuda --collect-only "${@:-tests}" 2>/dev/null | grep "::" > "$out/ids.txt"
+echo "$(wc -l < "$out/ids.txt") cuda tests in $groups groups"
+pids=()
+for ((g = 0; g < groups; g++)); do
+    mapfile -t ids < <(awk -v g="$g" -v n="$groups" '(NR - 1) % n == g' "$out/ids.txt")
+    ((${#ids[@]})) || continue
+    timeout "${TESTS_S:-500}" python3 -m pytest -q -p no:cacheprovider -m cuda "${ids[@]}" > "$out/group-$g.log" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+for f in "$out"/group-*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+grep -h "^FAILED\|^ERROR" "$out"/group-*.log | head -30
+exit $rc
