@@ -5,8 +5,8 @@
 
 For each shape and provider, the rounds alternate the variable's values (A B A B ...), each round timing
 the forward + backward of one layer (router included) as ``moeblaze bench`` does: CUDA events, median of
---reps steps, L2 flushed before each, inputs rotated. Autotuning and compilation happen in the first,
-untimed steps of every value. The spread between rounds of the same value says what a difference between
+--reps steps, L2 flushed before each, inputs rotated; then the host's time to enqueue a step (median).
+Autotuning and compilation happen in the first, untimed steps of every value. The spread between rounds of the same value says what a difference between
 values must exceed. Writes OUTDIR/ab.json and prints a markdown table (median over rounds, min-max).
 """
 from __future__ import annotations
@@ -22,6 +22,21 @@ import torch
 
 from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, LayerConfig, _grads, free_memory, layer_flops, make_inputs, \
     parse_config, time_steps
+
+
+def host_ms(step, dev, reps: int) -> float:
+    """Median host time to enqueue one step (no synchronisation inside it): near the device time, the
+    step is bound by the host's launches, and the device waits between kernels."""
+    ts = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        step()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return statistics.median(ts)
 
 
 def kernel_times(step, dev) -> dict[str, list]:
@@ -43,7 +58,8 @@ def kernel_times(step, dev) -> dict[str, list]:
 def print_kernels(per_value: dict[str, dict[str, list]], top: int = 14) -> None:
     names = list(dict.fromkeys(n for k in per_value.values() for n in list(k)[:top]))
     for v, k in per_value.items():
-        print(f"  value {v}: total {sum(t for t, _ in k.values()):.2f} ms over {sum(c for _, c in k.values())} launches")
+        launches = sum(c for _, c in k.values())
+        print(f"  value {v}: total {sum(t for t, _ in k.values()):.2f} ms over {launches} launches")
     for n in names:
         cells = ", ".join(f"{per_value[v].get(n, [0.0, 0])[0]:.3f} ms x{per_value[v].get(n, [0.0, 0])[1]}"
                           for v in per_value)
@@ -77,6 +93,7 @@ def main() -> int:
         for prov in args.providers.split(","):
             layer, _note = PROVIDERS[prov].build(dev, torch.bfloat16)
             times: dict[str, list[float]] = {v: [] for v in values}
+            host: dict[str, list[float]] = {v: [] for v in values}
             for r in range(args.rounds):
                 for v in values:
                     os.environ[args.var] = v
@@ -84,7 +101,9 @@ def main() -> int:
                         _grads(layer, inputs, 0)  # compile / autotune this value's kernels untimed
                     ms, how = time_steps(lambda i: _grads(layer, inputs, i), dev, 1, args.reps)
                     times[v].append(ms)
-            row = dict(config=cfg.name, shape=cfg.shape, provider=prov, var=args.var, times=times, timer=how,
+                    host[v].append(host_ms(lambda: _grads(layer, inputs, 0), dev, args.reps))
+            row = dict(config=cfg.name, shape=cfg.shape, provider=prov, var=args.var, times=times, host_ms=host,
+                       timer=how,
                        tflops={v: layer_flops(cfg) / statistics.median(t) / 1e9 for v, t in times.items()})
             if args.profile:
                 row["kernels"] = {}
@@ -93,7 +112,8 @@ def main() -> int:
                     row["kernels"][v] = kernel_times(lambda: _grads(layer, inputs, 0), dev)
                 print_kernels(row["kernels"])
             rows.append(row)
-            print(f"{cfg.name} {prov}: " + ", ".join(f"{args.var}={v}: {', '.join(f'{t:.2f}' for t in ts)} ms"
+            print(f"{cfg.name} {prov}: " + ", ".join(f"{args.var}={v}: {', '.join(f'{t:.2f}' for t in ts)} ms "
+                                                     f"(host {', '.join(f'{t:.2f}' for t in host[v])})"
                                                      for v, ts in times.items()), flush=True)
             del layer
             free_memory(dev)
