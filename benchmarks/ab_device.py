@@ -7,7 +7,8 @@ For each shape and provider, the rounds alternate the variable's values (A B A B
 the forward + backward of one layer (router included) as ``moeblaze bench`` does: CUDA events, median of
 --reps steps, L2 flushed before each, inputs rotated; then the host's time to enqueue a step (median).
 Autotuning and compilation happen in the first, untimed steps of every value. The spread between rounds
-of the same value says what a difference between values must exceed. Writes OUTDIR/ab.json and prints a markdown table (median over rounds, min-max).
+of the same value says what a difference between values must exceed. Writes OUTDIR/ab.json and prints a
+markdown table (median over rounds, min-max).
 """
 from __future__ import annotations
 
