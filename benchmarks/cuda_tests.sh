@@ -5,15 +5,26 @@
 #
 #   bash benchmarks/cuda_tests.sh OUT [pytest selection, default: tests]
 #
-# Writes OUT/group-I.log per group and prints each group's last line and every failure's summary.
+# Wheels in .whl/ (expecttest for the e2e tests; carry .whl) are installed first. A collection error
+# (a test module that does not import) fails the run. Writes OUT/group-I.log per group and prints each
+# group's last line and every failure's summary.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/cuda_tests.sh OUT [paths]}
 shift
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 groups=${NGROUPS:-6}
-python3 -m pytest -q -p no:cacheprovider -m cuda --collect-only "${@:-tests}" 2>/dev/null | grep "::" > "$out/ids.txt"
+python3 -m pytest -q -p no:cacheprovider -m cuda --collect-only "${@:-tests}" > "$out/collect.log" 2>&1
+grep "::" "$out/collect.log" > "$out/ids.txt"
+if grep -qi "error" "$out/collect.log"; then
+    echo "collection errors:"; grep -i -A3 "error" "$out/collect.log" | head -30
+    exit 1
+fi
 echo "$(wc -l < "$out/ids.txt") cuda tests in $groups groups"
 pids=()
 for ((g = 0; g < groups; g++)); do
