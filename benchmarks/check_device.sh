@@ -6,19 +6,14 @@ set -uo pipefail
 out=${1:?usage: bash benchmarks/check_device.sh OUT}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "note: editable install failed"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 export MOEBLAZE_COMMIT=${MOEBLAZE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 IFS=, read -ra parts <<< "${PARTS:-tests,features,scale}"
 for part in "${parts[@]}"; do
     echo "=== $part ($(date -u +%H:%M:%S))"
     case $part in
-        tests) timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS_PATHS:-tests} 2>&1 \
+        tests) TESTS_S=${TESTS_S:-300} bash benchmarks/cuda_tests.sh "$out/tests" ${TESTS_PATHS:-tests} 2>&1 \
                | tail -25 | tee "$out/tests.log" ;;
         features) MB_PARTS=small,features,accumulate MB_BUDGET_S=${FEATURES_S:-150} timeout 240 \
                   python3 benchmarks/expert_device.py "$out/features" 2>&1 | tail -40 ;;

@@ -5,21 +5,15 @@
 #
 #   bash benchmarks/cuda_tests.sh OUT [pytest selection, default: tests]
 #
-# Wheels in .whl/ (expecttest for the e2e tests; carry .whl) and the package (editable) are installed first. A collection error
-# (a test module that does not import) fails the run. Writes OUT/group-I.log per group and prints each
-# group's last line and every failure's summary.
+# Wheels in .whl/ (expecttest for the e2e tests; carry .whl) and the package (editable) are installed first
+# (device_env.sh). A collection error (a test module that does not import) fails the run. Writes
+# OUT/group-I.log per group and prints each group's last line and every failure's summary.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/cuda_tests.sh OUT [paths]}
 shift
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# The package's entry point registers backend="moeblaze" with torch.compile (the e2e tests use it).
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "note: editable install failed"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh  # wheels, the package (its backend entry point), PYTHONPATH
 groups=${NGROUPS:-6}
 python3 -m pytest -q -p no:cacheprovider -m cuda --collect-only "${@:-tests}" > "$out/collect.log" 2>&1
 grep "::" "$out/collect.log" > "$out/ids.txt"

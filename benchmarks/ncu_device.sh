@@ -44,5 +44,7 @@ torch.cuda.profiler.stop()
     echo "rc $?"; tail -3 "$out/$name.log"
     "$ncu" --import "$out/$name.ncu-rep" --page details > "$out/$name.txt" 2>&1
     [[ -n ${KEEP_REP:-} ]] || rm -f "$out/$name.ncu-rep"  # large; the text page is what comes back
-    grep -E "^  [a-zA-Z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Ipc|No Eligible|Stall" "$out/$name.txt" | head -40
+    keys="^  [a-zA-Z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput"
+    keys+="|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Ipc|No Eligible|Stall"
+    grep -E "$keys" "$out/$name.txt" | head -40
 done
