@@ -92,7 +92,10 @@ def main() -> int:
     for cfg in shapes:
         inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
         for prov in args.providers.split(","):
-            layer, _note = PROVIDERS[prov].build(dev, torch.bfloat16)
+            layer, note = PROVIDERS[prov].build(dev, torch.bfloat16)
+            if layer is None:
+                print(f"{cfg.name} {prov}: not available ({note})", flush=True)
+                continue
             times: dict[str, list[float]] = {v: [] for v in values}
             host: dict[str, list[float]] = {v: [] for v in values}
             for r in range(args.rounds):
