@@ -56,6 +56,7 @@ untuned, so the operator may prefer the plain-PyTorch path for fp32.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -520,10 +521,17 @@ def tma_available(device: torch.device) -> bool:
         return False
     if autotune.interpreting():
         return True
-    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] < 9:
-        return False  # (ROCm: descriptors untested there)
+    if device.type != "cuda" or not _has_tma(device.index if device.index is not None else torch.cuda.current_device()):
+        return False
     ensure_tma_allocator()
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(index: int) -> bool:
+    """CUDA device ``index`` is sm_90 or newer (and not ROCm: descriptors are untested there). Cached: it is
+    asked at every launch, and a windowed step's launches are bound by the host (benchmarks/RESULTS.md)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def ensure_tma_allocator() -> None:

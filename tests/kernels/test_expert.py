@@ -356,6 +356,27 @@ def test_descriptor_eligibility(monkeypatch):
     assert expert_fwd.weight_tma_mode([(24, 1)], 16, 4, cpu) == 0 and not expert_bwd._dw_tma(t)
 
 
+def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
+    # Every launch asks whether the device has TMA; the capability is read once per device (a windowed
+    # step's launches are bound by the host), while MOEBLAZE_TMA=0 still takes effect at once.
+    asked = []
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    monkeypatch.setattr(expert_fwd, "ensure_tma_allocator", lambda: None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda i: asked.append(i) or ((9, 0) if i == 0 else (8, 0)))
+    expert_fwd._has_tma.cache_clear()
+    try:
+        dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+        assert [expert_fwd.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
+                                                                                            True]
+        assert asked == [0, 1]
+        monkeypatch.setenv("MOEBLAZE_TMA", "0")
+        assert not expert_fwd.tma_available(dev0)
+    finally:
+        expert_fwd._has_tma.cache_clear()
+
+
 def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
     # h = 6 in float32: dA = dpre[:, :6] starts 16-byte aligned (a descriptor), dB = dpre[:, 6:] 24 bytes in
     # (pointer loads). The autotuner keys them apart (TMA is in its key), so the bookkeeping that keeps an
