@@ -66,7 +66,6 @@ class KernelConfig:
     num_stages: int = 3
     group_m: int = 8
     split_n: int = 1  # dh only: side-by-side block_n tiles per program (1 or 2)
-    persistent: int = 0  # down only: 1 = one program per SM walking the tiles (see expert_fwd._expert_down_kernel)
 
     def meta(self, kind: str) -> dict[str, int]:
         """The constexpr meta-parameters this config sets for kernels of ``kind``."""
@@ -74,10 +73,7 @@ class KernelConfig:
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m, "SPLIT_N": self.split_n}
         if kind == "dh_recompute":  # three accumulators already: never split
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m, "SPLIT_N": 1}
-        if kind == "down":  # BLOCK_M comes from the plan
-            return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m,
-                    "PERSISTENT": self.persistent}
-        if kind in _TILE_KINDS:
+        if kind in _TILE_KINDS:  # BLOCK_M comes from the plan
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
         if kind == "dw":
             return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
@@ -117,8 +113,6 @@ def pinned_config() -> KernelConfig | None:
             raise ValueError(f"{ENV_VAR}={spec!r}: {name} must be a power of two >= 16, got {v}")
     if cfg.split_n not in (1, 2):
         raise ValueError(f"{ENV_VAR}={spec!r}: split_n must be 1 or 2, got {cfg.split_n}")
-    if cfg.persistent not in (0, 1):
-        raise ValueError(f"{ENV_VAR}={spec!r}: persistent must be 0 or 1, got {cfg.persistent}")
     return cfg
 
 

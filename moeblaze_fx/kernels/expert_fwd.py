@@ -152,25 +152,6 @@ def _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
 
 
 @triton.jit
-def _window_tile_count(offsets_ptr, num_experts, slot0, slot1, BLOCK_M: tl.constexpr):
-    """How many of the plan's row tiles meet the slot window [slot0, slot1): per expert, its tiles from the one
-    holding max(slot0, lo) to the one holding min(hi, slot1) - 1. Tiles are in slot order, so these are the
-    tiles ``tile0 .. tile0 + count - 1`` of :func:`_window_tile`, each with rows inside the window."""
-    BLOCK_E: tl.constexpr = 256
-    total = 0
-    for e0 in range(0, num_experts, BLOCK_E):
-        offs_e = e0 + tl.arange(0, BLOCK_E)
-        e_mask = offs_e < num_experts
-        lo = tl.load(offsets_ptr + offs_e, mask=e_mask, other=0)
-        hi = tl.load(offsets_ptr + offs_e + 1, mask=e_mask, other=0)
-        seg_hi = tl.minimum(hi, slot1)
-        meets = seg_hi > tl.maximum(lo, slot0)
-        count = tl.cdiv(seg_hi - lo, BLOCK_M) - tl.maximum(slot0 - lo, 0) // BLOCK_M
-        total += tl.sum(tl.where(meets, count, 0), axis=0)
-    return total
-
-
-@triton.jit
 def _gelu(v):
     """erf GELU (torch's default ``F.gelu``), fp32."""
     return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
@@ -400,106 +381,9 @@ def _row_tile_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_
     return acc
 
 
-def _b_vec(a: dict) -> int:
-    """How B's tiles of :func:`_expert_down_kernel` may be loaded 16 bytes at a time, from its strides (both
-    B's): 1 when n is the unit stride and the k stride is a multiple of 16 bytes, 2 when k is the unit stride
-    and the n stride is, 0 otherwise. The persistent loop restates it to the compiler (``_down_tile``)."""
-    item = a["a_ptr"].element_size()
-    ks, ns = (a["stride_b0_k"], a["stride_b1_k"]), (a["stride_b0_n"], a["stride_b1_n"])
-    if ns == (1, 1) and all(s * item % 16 == 0 for s in ks):
-        return 1
-    if ks == (1, 1) and all(s * item % 16 == 0 for s in ns):
-        return 2
-    return 0
-
-
-@triton.jit
-def _down_tile(a_ptr, b0_table_ptr, b1_table_ptr, bias_ptr, c_ptr, e, start, first, end, pid_n, slot0, n_dim, k_dim,
-               stride_a_s, stride_a_k, stride_b0_k, stride_b0_n, stride_b1_k, stride_b1_n, stride_c_s, stride_c_n,
-               TWO_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_ALIGN: tl.constexpr, B_TMA: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ONE_LOOP: tl.constexpr, SAME_B_STRIDES: tl.constexpr,
-               B_VEC: tl.constexpr):
-    """One output tile of :func:`_expert_down_kernel`: rows [first, end) of the row tile at ``start`` of expert
-    ``e`` (``e`` >= 0, first < end), columns from ``pid_n * BLOCK_N``. No early exit: a persistent loop calls it."""
-    rows = start + tl.arange(0, BLOCK_M)
-    row_mask = (rows >= first) & (rows < end)
-    rows_ld = (tl.maximum(tl.minimum(tl.maximum(rows, first), end - 1) - slot0, 0)).to(tl.int64)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        offs_n_ld = offs_n
-    else:
-        offs_n_ld = offs_n % n_dim
-    offs_k = tl.arange(0, BLOCK_K)
-    b_ty = a_ptr.dtype.element_ty
-    a_ptrs = a_ptr + rows_ld[:, None] * stride_a_s + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    n0 = pid_n * BLOCK_N
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b0_base = _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN)
-    if ONE_LOOP:
-        if TWO_B:
-            b1_base = _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN)
-        # One K loop over both halves (TWO_B: B0's chunks, then B1's), pointers rebuilt from scalars at every
-        # chunk: Triton flattens a persistent loop nest only around a single inner loop. Same dots, same order.
-        nk = tl.cdiv(k_dim, BLOCK_K)
-        for j in range(0, nk * (2 if TWO_B else 1)):
-            k0 = j * BLOCK_K
-            b_base = b0_base
-            sb_k = stride_b0_k
-            sb_n = stride_b0_n
-            a_k0 = k0
-            if TWO_B:
-                second = j >= nk
-                k0 = tl.where(second, k0 - nk * BLOCK_K, k0)
-                b_base = tl.where(second, b1_base, b0_base)
-                if not SAME_B_STRIDES:  # a run-time stride hides B's unit stride: no 16-byte loads
-                    sb_k = tl.where(second, stride_b1_k, stride_b0_k)
-                    sb_n = tl.where(second, stride_b1_n, stride_b0_n)
-                a_k0 = tl.where(second, k0 + k_dim, k0)
-            ks = k0 + offs_k
-            a_blk = a_ptr + rows_ld[:, None] * stride_a_s + (a_k0 + offs_k)[None, :] * stride_a_k
-            b_blk = b_base + ks[:, None].to(tl.int64) * sb_k + offs_n_ld[None, :].to(tl.int64) * sb_n
-            # The base and the columns are carried through the flattened loop, which drops what the compiler
-            # knew of them (alignment, contiguous columns) and with them B's 16-byte loads: restated here,
-            # where the host has proven them (B_VEC, B_ALIGN).
-            if B_ALIGN >= 16:
-                if (B_VEC == 1) and EVEN_N:
-                    b_blk = tl.max_contiguous(tl.multiple_of(b_blk, [16, 16]), [1, BLOCK_N])
-                elif (B_VEC == 2) and EVEN_K:
-                    b_blk = tl.max_contiguous(tl.multiple_of(b_blk, [16, 16]), [BLOCK_K, 1])
-            if EVEN_K:
-                a = tl.load(a_blk)
-                b = tl.load(b_blk)
-            else:
-                a = tl.load(a_blk, mask=(ks < k_dim)[None, :], other=0.0)
-                b = tl.load(b_blk, mask=(ks < k_dim)[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    else:
-        acc = _row_tile_k_loop(acc, a_ptrs, b0_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b0_k,
-                               stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
-        if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
-            acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN),
-                                   offs_n_ld, n0, k_dim, n_dim,
-                                   stride_a_k, stride_b1_k, stride_b1_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N,
-                                   EVEN_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)[None, :]
-
-    if EVEN_N:
-        mask = row_mask[:, None]
-    else:
-        mask = row_mask[:, None] & (offs_n < n_dim)[None, :]
-    c_ptrs = c_ptr + (rows - slot0).to(tl.int64)[:, None] * stride_c_s + offs_n[None, :] * stride_c_n
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.heuristics({
     "EVEN_K": lambda a: a["k_dim"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
-    "SAME_B_STRIDES": lambda a: (a["stride_b0_k"], a["stride_b0_n"]) == (a["stride_b1_k"], a["stride_b1_n"]),
-    "B_VEC": lambda a: _b_vec(a),
 })
 @triton.jit
 def _expert_down_kernel(
@@ -512,7 +396,7 @@ def _expert_down_kernel(
     tile_expert_ptr,  # [tiles_total] int32
     tile_start_ptr,  # [tiles_total] int32
     tile0_ptr,  # [1] int32: the window's first row tile
-    num_tiles, tiles_total, num_experts, slot0, slot1, n_dim, k_dim,
+    num_tiles, tiles_total, slot0, slot1, n_dim, k_dim,
     stride_a_s, stride_a_k,
     stride_b0_k, stride_b0_n,
     stride_b1_k, stride_b1_n,
@@ -521,40 +405,46 @@ def _expert_down_kernel(
     B_TMA: tl.constexpr,  # 0: B tiles through pointers; else through descriptors (see weight_tma_mode)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SAME_B_STRIDES: tl.constexpr, B_VEC: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """For one row tile of expert e in the slot window [slot0, slot1), C[rows] = A[rows, :k_dim] @ B0[e]
-    (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e]); rows index the window's buffers from slot0.
-    One tile per program (grid = (num_tiles * cdiv(n_dim, BLOCK_N),), num_tiles a bound on the window's row
-    tiles) or, with PERSISTENT, a fixed grid whose programs walk the window's tiles (their exact count is
-    computed from ``offsets``): the loop over tiles and the K loops are flattened into one pipelined loop,
-    so the next tile's first loads are in flight while a tile's epilogue runs. A persistent program reads B
-    through pointers: a descriptor built in the kernel lives in per-program scratch, which the next tile's
-    descriptor would overwrite while loads through it are in flight. Either way a tile's K loop is the same
-    sequence of dots, so the results are bitwise equal."""
-    num_n = tl.cdiv(n_dim, BLOCK_N)
-    if PERSISTENT:
-        num_m = _window_tile_count(offsets_ptr, num_experts, slot0, slot1, BLOCK_M)
-        for tile_id in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _grouped_tile_ids(tile_id, num_m, num_n, GROUP_M)
-            e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
-                                                offsets_ptr, slot0, slot1)
-            end = tl.where(e >= 0, end, first)  # never the case (the count is exact): then store nothing
-            e = tl.maximum(e, 0)
-            _down_tile(a_ptr, b0_table_ptr, b1_table_ptr, bias_ptr, c_ptr, e, start, first, end, pid_n, slot0,
-                       n_dim, k_dim, stride_a_s, stride_a_k, stride_b0_k, stride_b0_n, stride_b1_k, stride_b1_n,
-                       stride_c_s, stride_c_n, TWO_B, HAS_BIAS, B_ALIGN, 0, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, EVEN_N, True, SAME_B_STRIDES, B_VEC)
+    """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e in the slot window
+    [slot0, slot1), C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e]);
+    rows index the window's buffers from slot0."""
+    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
+    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+                                        offsets_ptr, slot0, slot1)
+    if e < 0:
+        return
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = (rows >= first) & (rows < end)
+    rows_ld = (tl.minimum(tl.maximum(rows, first), end - 1) - slot0).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        offs_n_ld = offs_n
     else:
-        pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, num_n, GROUP_M)
-        e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
-                                            offsets_ptr, slot0, slot1)
-        if e >= 0:
-            _down_tile(a_ptr, b0_table_ptr, b1_table_ptr, bias_ptr, c_ptr, e, start, first, end, pid_n, slot0,
-                       n_dim, k_dim, stride_a_s, stride_a_k, stride_b0_k, stride_b0_n, stride_b1_k, stride_b1_n,
-                       stride_c_s, stride_c_n, TWO_B, HAS_BIAS, B_ALIGN, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, EVEN_N, False, SAME_B_STRIDES, B_VEC)
+        offs_n_ld = offs_n % n_dim
+    offs_k = tl.arange(0, BLOCK_K)
+    b_ty = a_ptr.dtype.element_ty
+    a_ptrs = a_ptr + rows_ld[:, None] * stride_a_s + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
+    n0 = pid_n * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim, n_dim,
+                           stride_a_k, stride_b0_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
+    if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
+        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN),
+                               offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA,
+                               DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)[None, :]
+
+    if EVEN_N:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (offs_n < n_dim)[None, :]
+    c_ptrs = c_ptr + (rows - slot0).to(tl.int64)[:, None] * stride_c_s + offs_n[None, :] * stride_c_n
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BLOCK_D"] == 0})
@@ -654,22 +544,6 @@ def ensure_tma_allocator() -> None:
     if current is not None and not isinstance(current.get(), _allocation.NullAllocator):
         return
     triton.set_allocator(_torch_scratch)
-
-
-# Programs of a persistent launch under the Triton interpreter: a few, so that each walks several tiles.
-_INTERPRETER_PROGRAMS = 3
-
-
-def persistent_programs(device: torch.device) -> int:
-    """Grid of a persistent launch: one program per SM (a few under the interpreter)."""
-    if device.type != "cuda":
-        return _INTERPRETER_PROGRAMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> Tensor:  # noqa: ARG001 (Triton's allocator signature)
@@ -827,14 +701,12 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
     b1 = b1 if two_b else b0  # placeholder, never read
 
     def grid(meta):
-        programs = num_tiles * triton.cdiv(n_dim, meta["BLOCK_N"])
-        return (min(programs, persistent_programs(a.device)) if meta["PERSISTENT"] else programs,)
+        return (num_tiles * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     autotune.launch(
         _expert_down_kernel, _expert_down_tuned, "down", grid,
         a, b0[0], b1[0], bias if bias is not None else a, out, plan.offsets, plan.tile_expert, plan.tile_start,
-        window.tile0, num_tiles, plan.tile_expert.numel(), plan.offsets.numel() - 1, window.slot0, window.slot1,
-        n_dim, k_dim,
+        window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0, window.slot1, n_dim, k_dim,
         a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
         TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
         B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device)

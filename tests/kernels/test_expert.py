@@ -14,8 +14,6 @@ import collections
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd
 from moeblaze_fx.kernels.expert_bwd import expert_backward
@@ -45,9 +43,8 @@ LAYOUTS = {
     "hf_fused": "Hugging Face's fused [E, 2h, d] gate_up, split with split_gate_up",
     "interleaved": "gate/up interleaved rows of one [E, 2h, d] tensor: w[:, 0::2], w[:, 1::2]",
     "list": "E separate 2-D tensors per role (a ModuleList of nn.Linear), tables from table_of_list",
-    "mixed": "gate [E, h, d] and up stored [E, d, h] (a .transpose(1, 2) view): two orientations in one kernel",
 }
-GATED_ONLY = ("hf_fused", "interleaved", "mixed")
+GATED_ONLY = ("hf_fused", "interleaved")
 
 
 def make_storage(layout: str, gated: bool, E: int, d: int, h: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -61,9 +58,6 @@ def make_storage(layout: str, gated: bool, E: int, d: int, h: int, g: torch.Gene
         return [rnd(E, d, h, fan_in=d)] + ([rnd(E, d, h, fan_in=d)] if gated else []) + [rnd(E, h, d, fan_in=h)]
     if layout in GATED_ONLY:
         assert gated, f"layout {layout!r} needs a gated activation"
-    if layout == "mixed":
-        return [rnd(E, h, d, fan_in=d), rnd(E, d, h, fan_in=d), rnd(E, d, h, fan_in=h)]
-    if layout in GATED_ONLY:
         return [rnd(E, 2 * h, d, fan_in=d), rnd(E, d, h, fan_in=h)]
     if layout == "list":
         return ([rnd(h, d, fan_in=d) for _ in range(E)] + ([rnd(h, d, fan_in=d) for _ in range(E)] if gated else [])
@@ -81,8 +75,6 @@ def role_views(layout: str, st: list[torch.Tensor], gated: bool, E: int) -> tupl
         return (*split_gate_up(st[0]), st[1])
     if layout == "interleaved":
         return st[0][:, 0::2], st[0][:, 1::2], st[1]
-    if layout == "mixed":
-        return st[0], st[1].transpose(1, 2), st[2]
     if layout == "list":
         return st[:E], st[E:2 * E] if gated else None, st[-E:]
     raise ValueError(layout)
@@ -427,69 +419,6 @@ def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
     assert torch.equal(with_tma["weights"], without["weights"])
     assert all(torch.equal(a, b) for a, b in zip(with_tma["storage"] + with_tma["biases"],
                                                  without["storage"] + without["biases"]))
-
-
-def _pin(persistent: int) -> str:
-    """The interpreter's configuration, pinned, with the down kernel one-tile (0) or persistent (1)."""
-    c = autotune.INTERPRETER_CONFIG
-    return (f"block_m={c.block_m},block_n={c.block_n},block_k={c.block_k},num_warps={c.num_warps},"
-            f"num_stages={c.num_stages},group_m={c.group_m},persistent={persistent}")
-
-
-@pytest.mark.parametrize("layout,ids_mode,window_slots", [
-    ("dense", "empty_expert", 0), ("transposed", "empty_expert", 25), ("list", "sentinel", 0),
-    ("mixed", "sentinel", 7), ("hf_fused", "one_expert", 16)])
-def test_persistent_down_kernel_agrees_bitwise(monkeypatch, layout, ids_mode, window_slots):
-    # The persistent down kernel (a fixed grid: 3 programs under the interpreter, each walking several tiles;
-    # the window's tile count found from the offsets) runs each tile's K loop as the one-tile kernel does, so Y
-    # and dX (two B matrices in one loop; "mixed" gives them different strides) and everything downstream are
-    # bitwise the same: d = 40 and h = 24 are ragged for 16-wide tiles, windows cut tiles, unrouted slots sit
-    # at the end ("sentinel").
-    launches = []
-    real_launch = autotune.launch
-
-    def spy(kernel, tuned, kind, grid, *args, **constexprs):
-        if kind == "down":
-            launches.append(grid(autotune.pinned_config().meta(kind))[0])
-        return real_launch(kernel, tuned, kind, grid, *args, **constexprs)
-    monkeypatch.setattr(autotune, "launch", spy)
-    case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout=layout, ids_mode=ids_mode, seed=11)
-    monkeypatch.setenv(autotune.ENV_VAR, _pin(0))
-    y1, one = run_kernels(case, "recompute", window_slots=window_slots)
-    tiles = list(launches)
-    launches.clear()
-    monkeypatch.setenv(autotune.ENV_VAR, _pin(1))
-    y2, pers = run_kernels(case, "recompute", window_slots=window_slots)
-    assert len(launches) == len(tiles) >= 2 and all(p == min(t, 3) for p, t in zip(launches, tiles)), (launches, tiles)
-    assert max(tiles) > 3  # so that some program walks several tiles
-    assert torch.equal(y1, y2) and torch.equal(one["x"], pers["x"]) and torch.equal(one["weights"], pers["weights"])
-    assert all(torch.equal(a, b) for a, b in zip(one["storage"] + one["biases"], pers["storage"] + pers["biases"]))
-    check_against_reference(case, "recompute", tol=1e-5, window_slots=window_slots)  # and right, still pinned
-
-
-@triton.jit
-def _tile_count_kernel(offsets_ptr, out_ptr, num_experts, slot0, slot1, BLOCK_M: tl.constexpr):
-    tl.store(out_ptr, expert_fwd._window_tile_count(offsets_ptr, num_experts, slot0, slot1, BLOCK_M))
-
-
-@pytest.mark.parametrize("ids_mode,E,K,window_slots", [
-    ("empty_expert", 5, 3, 25), ("sentinel", 5, 3, 7), ("one_expert", 5, 3, 16), ("all_experts", 4, 4, 1),
-    ("random", 300, 3, 40)])  # E = 300: the count runs over two blocks of experts
-def test_window_tile_count_is_exact(ids_mode, E, K, window_slots):
-    # The persistent kernel's trip count: the plan's tiles meeting a window, counted on the device from the
-    # offsets alone, must equal the tiles whose rows meet the window (a short count drops rows; a long one
-    # walks tiles of no window).
-    case = make_case(37, 8, 8, E, K, ids_mode=ids_mode, seed=3)
-    bm = plan_block_m()
-    plan = dispatch_reference(case["ids"], E, block_m=bm)
-    te, ts, off = plan.tile_expert.tolist(), plan.tile_start.tolist(), plan.offsets.tolist()
-    out = torch.zeros(1, dtype=torch.int32)
-    windows = expert_fwd.slot_windows(plan, window_slots)
-    assert len(windows) > 1
-    for win in windows:
-        want = sum(1 for e, s in zip(te, ts) if e >= 0 and s < win.slot1 and min(s + bm, off[e + 1]) > win.slot0)
-        _tile_count_kernel[(1,)](plan.offsets, out, E, win.slot0, win.slot1, BLOCK_M=bm)
-        assert int(out) == want, (win.slot0, win.slot1)
 
 
 def test_accumulate_adds_onto_existing_gradients(monkeypatch):
