@@ -590,15 +590,12 @@ def micro(result, name="A") -> None:
         del up_ref
         y_slots = torch.empty(N, d, device=DEVICE, dtype=DTYPE)
         # down: forward Y = H @ W_down.T (k = h), backward dX = dA @ W_gate + dB @ W_up (k = 2 x h)
-        down_ref = dx_ref = None
-        # (BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptors for the weights, descriptors for A)
-        for bn, bk, nw, ns, gm, tma, atma in [(256, 64, 8, 3, 8, False, False), (256, 64, 8, 3, 8, True, False),
-                                              (256, 64, 8, 3, 8, True, True), (256, 64, 8, 4, 8, True, True),
-                                              (256, 64, 8, 3, 8, False, True), (128, 64, 8, 4, 8, True, True)]:
+        down_ref = None
+        for bn, bk, nw, ns, gm, tma in [(256, 64, 8, 3, 8, False), (256, 64, 8, 3, 8, True), (256, 64, 8, 4, 8, False),
+                                        (256, 64, 8, 4, 8, True), (128, 64, 8, 4, 8, True), (128, 128, 8, 3, 8, True)]:
             grid = (num_tiles * triton.cdiv(d, bn),)
             meta = dict(HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                        A_TMA=atma, num_warps=nw, num_stages=ns)
-            variant = str((bn, bk, nw, ns, gm, tma, atma))
+                        num_warps=nw, num_stages=ns)
             try:
                 ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
                     hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
@@ -612,15 +609,13 @@ def micro(result, name="A") -> None:
                     num_tiles, 0, N, d, h, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
                     u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
                     B_ALIGN=expert_fwd.table_align(g_t, u_t), B_TMA=dx_mode if tma else 0, **meta), warmup=50, rep=200)
-                dx_ref = y_slots.clone() if dx_ref is None else dx_ref
-                rows.append(dict(kernel="down", variant=variant, y_ms=ms_y,
+                rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), y_ms=ms_y,
                                  y_tflops=2 * N * d * h / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * h / ms_dx / 1e9,
-                                 y_bitwise_equal_to_first=same_y,
-                                 dx_bitwise_equal_to_first=bool(torch.equal(y_slots, dx_ref))))
+                                 y_bitwise_equal_to_first=same_y))
             except Exception as exc:  # noqa: BLE001
-                rows.append(dict(kernel="down", variant=variant, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             log(f"micro {rows[-1]}")
-        del y_slots, pre_out, down_ref, dx_ref
+        del y_slots, pre_out, down_ref
     if "dh" in MICRO_KERNELS:
         for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
                                           (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:

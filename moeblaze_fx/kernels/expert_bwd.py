@@ -56,9 +56,9 @@ from .expert_fwd import (
     combine,
     dot_precision,
     down_project,
-    slot_rows_tma,
     slot_windows,
     table_align,
+    tma_available,
 )
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable
@@ -501,7 +501,10 @@ def _dw_tma(slots: Tensor) -> bool:
     describe it (unit column stride, 16-byte aligned base and row stride) and the device has TMA (sm_90+;
     the Triton interpreter runs descriptors too). H100, 2026-11-21 (benchmarks/NOTES-kernels.md): dW_down
     at config A 10.03 -> 8.61 ms with 128x256x64 tiles and 4 stages."""
-    return slot_rows_tma(slots)
+    item = slots.element_size()
+    if slots.stride(1) != 1 or (slots.stride(0) * item) % 16 or slots.data_ptr() % 16:
+        return False
+    return tma_available(slots.device)
 
 
 def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,

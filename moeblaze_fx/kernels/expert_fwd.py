@@ -352,21 +352,18 @@ def _expert_up_kernel(
 
 
 @triton.jit
-def _row_tile_k_loop(acc, a_ptrs, a_desc, a_row0, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_k,
-                     stride_b_n, A_TMA: tl.constexpr, B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_tile_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_k, stride_b_n,
+                     B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     """acc += A[:, :k_dim] @ B[:k_dim, n0:n0 + BLOCK_N], BLOCK_K at a time (the tail masked unless EVEN_K);
-    A's tiles through pointers (``a_ptrs``) or, with A_TMA, the descriptor ``a_desc`` from row ``a_row0``; B's
-    tiles through pointers (columns ``offs_n_ld``) or, with B_TMA, a descriptor over B [k_dim, n_dim]."""
+    B's tiles through pointers (columns ``offs_n_ld``) or, with B_TMA, a descriptor over B [k_dim, n_dim]."""
     offs_k = tl.arange(0, BLOCK_K)
     if B_TMA:
         b_desc = _w_desc(b_base, k_dim, n_dim, stride_b_k, stride_b_n, B_TMA, BLOCK_K, BLOCK_N)
     else:
         b_ptrs = b_base + offs_k[:, None] * stride_b_k + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [BK, BN]
     for k0 in range(0, k_dim, BLOCK_K):
-        if A_TMA:
-            a = a_desc.load([a_row0, k0])
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs)
         else:
             k_mask = offs_k < k_dim - k0
@@ -376,7 +373,7 @@ def _row_tile_k_loop(acc, a_ptrs, a_desc, a_row0, b_base, offs_n_ld, n0, k_dim, 
         elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
-            b = tl.load(b_ptrs, mask=(offs_k < k_dim - k0)[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_a_k
         if not B_TMA:
@@ -406,7 +403,6 @@ def _expert_down_kernel(
     stride_c_s, stride_c_n,
     TWO_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_ALIGN: tl.constexpr,
     B_TMA: tl.constexpr,  # 0: B tiles through pointers; else through descriptors (see weight_tma_mode)
-    A_TMA: tl.constexpr,  # A's tiles through a descriptor over the window's rows (each half's, when TWO_B)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -433,26 +429,13 @@ def _expert_down_kernel(
     a_ptrs = a_ptr + rows_ld[:, None] * stride_a_s + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
     n0 = pid_n * BLOCK_N
 
-    # With A_TMA the tile's rows are read from start (rows before the window read as zeros, rows past the
-    # tile's end hold other slots or zeros): a row's output depends on its own row of A only, and rows
-    # outside [first, end) are not stored, so the stored rows equal the pointer path's bit for bit.
-    a_row0 = start - slot0
-    a_desc0 = a_ptr  # placeholders without A_TMA, never read
-    a_desc1 = a_ptr
-    if A_TMA:
-        a_desc0 = tl.make_tensor_descriptor(a_ptr, shape=[slot1 - slot0, k_dim], strides=[stride_a_s, 1],
-                                            block_shape=[BLOCK_M, BLOCK_K])
-        if TWO_B:
-            a_desc1 = tl.make_tensor_descriptor(a_ptr + k_dim, shape=[slot1 - slot0, k_dim],
-                                                strides=[stride_a_s, 1], block_shape=[BLOCK_M, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _row_tile_k_loop(acc, a_ptrs, a_desc0, a_row0, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld,
-                           n0, k_dim, n_dim, stride_a_k, stride_b0_k, stride_b0_n, A_TMA, B_TMA, DOT_PRECISION,
-                           BLOCK_K, BLOCK_N, EVEN_K)
+    acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim, n_dim,
+                           stride_a_k, stride_b0_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
-        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, a_desc1, a_row0,
-                               _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim, n_dim, stride_a_k,
-                               stride_b1_k, stride_b1_n, A_TMA, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
+        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN),
+                               offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA,
+                               DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)[None, :]
 
@@ -511,7 +494,7 @@ def _expert_combine_kernel(
 
 
 _expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA"])
-_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA", "A_TMA"])
+_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -699,16 +682,6 @@ def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
             for i, s0 in enumerate(range(0, N, step))]
 
 
-def slot_rows_tma(a: Tensor, col0: int = 0) -> bool:
-    """Whether a kernel may read the slot-ordered rows ``a`` [rows, cols] through tensor descriptors (one from
-    column 0 and, with ``col0`` > 0, one from column ``col0``): unit column stride, 16-byte aligned bases and
-    row stride, and a device with descriptors (:func:`tma_available`)."""
-    item = a.element_size()
-    if a.dim() != 2 or a.stride(1) != 1 or (a.stride(0) * item) % 16 or a.data_ptr() % 16 or (col0 * item) % 16:
-        return False
-    return tma_available(a.device)
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 operands: IEEE products (torch's default for fp32 matmul is no tf32); 16-bit: tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -738,7 +711,6 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
         TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
         B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device)
         if k_dim > 0 else 0,  # h = 0 (a down bias alone): no tile to load
-        A_TMA=k_dim > 0 and slot_rows_tma(a, k_dim if two_b else 0),
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out
