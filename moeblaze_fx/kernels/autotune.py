@@ -29,6 +29,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import torch
 import triton
 
 __all__ = [
@@ -179,11 +180,41 @@ def tuned(kernel, kind: str, key: list[str]):
     return triton.autotune(configs=[c.to_triton(kind) for c in kernel_configs(kind)], key=key)(kernel)
 
 
+# The autotuner's choice per launch key (see _launch_key): later launches with that key go straight to the
+# kernel with it. Triton's Autotuner.run rebuilds its key from every argument at every launch, and a windowed
+# step makes ~10 launches a window: its host time, not its kernels, bounded the step (benchmarks/RESULTS.md).
+_CHOSEN: dict[tuple, dict] = {}
+_KEY_POSITIONS: dict[int, tuple] = {}
+
+
+def _launch_key(tuned_kernel, args: tuple, constexprs: dict) -> tuple:
+    """At least as fine as ``triton.autotune``'s key (its key arguments' values and every tensor argument's
+    dtype): those, plus every constexpr, so that one entry never stands for two of the tuner's keys."""
+    positions = _KEY_POSITIONS.get(id(tuned_kernel))
+    if positions is None:
+        names = list(tuned_kernel.arg_names)
+        positions = _KEY_POSITIONS[id(tuned_kernel)] = tuple((k, names.index(k)) for k in tuned_kernel.keys)
+    values = tuple(args[i] if i < len(args) else constexprs[k] for k, i in positions)
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    return id(tuned_kernel), values, dtypes, tuple(sorted(constexprs.items()))
+
+
 def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
-    """Launch with the pinned / interpreter configuration when there is one, else through the autotuner.
+    """Launch with the pinned / interpreter configuration when there is one, else through the autotuner: the
+    first launch of each key (:func:`_launch_key`) runs ``tuned_kernel`` (tuning when its key is new), later
+    ones run ``kernel`` with the configuration it chose, the same call without the tuner's bookkeeping
+    (``MOEBLAZE_LEAN_LAUNCH=0``: always through the tuner, for comparisons).
 
     ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
     cfg = _fixed_config()
-    if cfg is None:
+    if cfg is not None:
+        return kernel[grid](*args, **constexprs, **cfg.meta(kind), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if os.environ.get("MOEBLAZE_LEAN_LAUNCH", "1") == "0":
         return tuned_kernel[grid](*args, **constexprs)
-    return kernel[grid](*args, **constexprs, **cfg.meta(kind), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    key = _launch_key(tuned_kernel, args, constexprs)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        out = tuned_kernel[grid](*args, **constexprs)
+        _CHOSEN[key] = tuned_kernel.best_config.all_kwargs()
+        return out
+    return kernel[grid](*args, **constexprs, **chosen)

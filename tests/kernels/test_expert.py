@@ -495,6 +495,43 @@ def test_pinned_config(monkeypatch):
     check_against_reference(case, "activations", tol=1e-5)
 
 
+def test_launch_takes_the_tuned_choice_directly_after_the_first_launch_of_a_key(monkeypatch):
+    # Unpinned: the first launch of a key goes through the tuner, later ones straight to the kernel with the
+    # tuner's choice; a new key value, a new tensor dtype or a new constexpr goes through the tuner again.
+    calls = []
+
+    class Cfg:
+        def all_kwargs(self):
+            return {"BLOCK_N": 64, "num_warps": 8}
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((self.name, args, kw))
+
+    tuned = Kernel("tuner")
+    tuned.arg_names, tuned.keys, tuned.best_config = ["x", "m", "n", "FLAG"], ["m", "FLAG"], Cfg()
+    kernel = Kernel("kernel")
+    monkeypatch.setattr(autotune, "_fixed_config", lambda: None)
+    monkeypatch.setattr(autotune, "_CHOSEN", {})
+    x16, x32 = torch.zeros(2, dtype=torch.float16), torch.zeros(2)
+
+    def go(x, m, n, flag):
+        autotune.launch(kernel, tuned, "dw", None, x, m, n, FLAG=flag)
+        return calls[-1][0]
+    assert go(x16, 8, 1, True) == "tuner"
+    assert go(x16, 8, 1, True) == "kernel" and calls[-1][2] == {"FLAG": True, "BLOCK_N": 64, "num_warps": 8}
+    assert go(x16, 8, 2, True) == "kernel"  # n is not a key argument of the tuner
+    assert go(x16, 9, 1, True) == "tuner"  # a key argument
+    assert go(x32, 8, 1, True) == "tuner"  # a tensor's dtype
+    assert go(x16, 8, 1, False) == "tuner"  # a constexpr
+    assert [go(x16, 9, 1, True), go(x32, 8, 1, True), go(x16, 8, 1, False)] == ["kernel"] * 3
+    monkeypatch.setenv("MOEBLAZE_LEAN_LAUNCH", "0")
+    assert go(x16, 8, 1, True) == "tuner"
+
+
 def test_table_align_is_the_largest_proven_power_of_two():
     # The kernels' 16-byte loads rest on this hint: the tables' own `align` (bytes), lowered to a power of two
     # dividing it, the minimum over the tables; a table without the field proves nothing (1).
