@@ -505,20 +505,25 @@ def micro(result, name="A") -> None:
     log(f"micro at config {name}")
     off = plan.offsets
 
-    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm, tma=False):
+    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm, tma=False, rows32=None):
         m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
         if tma:
             expert_fwd.ensure_tma_allocator()
-        kern[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, 0, N, N + 1, a.stride(0), a.stride(1),
-                   b.stride(0), b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b,
-                   OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
-                   DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
+        # rows32 None: the heuristics decide (ROWS32 when the offsets fit); 0/1: the jit function, pinned
+        k, extra = (kern, {}) if rows32 is None else (kern.fn, dict(
+            EVEN_M=m_dim % bm == 0, EVEN_N=n_dim % bn == 0, ROWS32=rows32))
+        k[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, 0, N, N + 1, a.stride(0), a.stride(1),
+                b.stride(0), b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b,
+                OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
+                DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns,
+                **extra)
 
     flops_dd, flops_dg = 2 * N * d * h, 2 * N * d * h
-    variants = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 4, 8, True),
-                (256, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8),
-                (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 4, 8, True), (128, 256, 128, 8, 2, 8, True)]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptor for the slot operand, 32-bit row offsets)
+    variants = [(128, 256, 64, 8, 4, 8, True, 0), (128, 256, 64, 8, 4, 8, True, 1),
+                (256, 128, 64, 8, 3, 8, True, 0), (256, 128, 64, 8, 3, 8, True, 1),
+                (128, 256, 64, 8, 3, 8, True, 0), (128, 256, 64, 8, 3, 8, True, 1)]
     if "dw" in MICRO_KERNELS:
         base = None
         for v in variants:

@@ -276,9 +276,15 @@ def _expert_dh_kernel(
                      ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
 
 
+def _offsets_fit_int32(*tensors: Tensor) -> bool:
+    """Every element offset of these 2-D tensors (rows x row stride + columns x column stride) is below 2**31."""
+    return all(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) < 2 ** 31 for t in tensors)
+
+
 @triton.heuristics({
     "EVEN_M": lambda a: a["m_dim"] % a["BLOCK_M"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
+    "ROWS32": lambda a: _offsets_fit_int32(a["a_ptr"], a["b_ptr"]),
 })
 @triton.jit
 def _expert_dw_kernel(
@@ -300,6 +306,7 @@ def _expert_dw_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     the contraction running over that expert's slots inside the window BLOCK_K at a time (full chunks
@@ -357,15 +364,16 @@ def _expert_dw_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
+    IDX: tl.constexpr = tl.int32 if ROWS32 else tl.int64
     # Token rows of the gathered operand are loaded one chunk ahead (a loop-carried register prefetch):
     # the tile loads then depend on a loop-carried value, not on a load of the same iteration, so the
     # pipeliner can keep several chunks in flight.
     # Slot-ordered operands hold the window's rows: row = slot - slot0.
     s = seg_lo + offs_s
     if GATHER_A or GATHER_B:
-        tok = (tl.load(token_index_ptr + s, mask=s < seg_hi, other=0) // K).to(tl.int64)
+        tok = (tl.load(token_index_ptr + s, mask=s < seg_hi, other=0) // K).to(IDX)
     else:
-        tok = s.to(tl.int64)
+        tok = s.to(IDX)
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     if TMA:
         # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
@@ -382,17 +390,17 @@ def _expert_dw_kernel(
     for i in range(0, n_full):
         s_next = s + BLOCK_K
         if GATHER_A or GATHER_B:
-            tok_next = (tl.load(token_index_ptr + s_next, mask=s_next < seg_hi, other=0) // K).to(tl.int64)
+            tok_next = (tl.load(token_index_ptr + s_next, mask=s_next < seg_hi, other=0) // K).to(IDX)
         else:
-            tok_next = s_next.to(tl.int64)
+            tok_next = s_next.to(IDX)
         if GATHER_A:
             ra = tok
         else:
-            ra = (s - slot0).to(tl.int64)
+            ra = (s - slot0).to(IDX)
         if GATHER_B:
             rb = tok
         else:
-            rb = (s - slot0).to(tl.int64)
+            rb = (s - slot0).to(IDX)
         if TMA and not GATHER_A:
             a = slot_desc.load([i * BLOCK_K, pid_m * BLOCK_M]).T
         else:
@@ -406,7 +414,7 @@ def _expert_dw_kernel(
         tok = tok_next
     if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots (its rows are already in tok)
         s_mask = s < seg_hi
-        s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(tl.int64)
+        s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
         if GATHER_A:
             ra = tok
         else:
