@@ -163,10 +163,11 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
-    elif kind == "dw":  # H100, 2026-11-21, 039c1f6, slot operand through TMA (dW_down / dW_gate ms): config A
-        # 128x256 s4 8.61 / 10.02, 256x128 s3 10.18 / 9.30 (pointer loads, 128x256 s3: 10.03 / 9.99); config C
-        # 128x256 s4 1.04 / 1.21, 256x128 s3 1.18 / 1.05; 128x128 tiles 25-35 % slower everywhere
+    elif kind == "dw":  # H100, 2026-11-21, 26b5a21, slot operand through TMA, 32-bit row offsets (dW_down /
+        # dW_gate ms): config A 128x256 s4 9.08 / 9.56, s3 8.42 / 9.94, 256x128 s3 9.70 / 8.66; config D 1.23 / 1.38,
+        # 1.23 / 1.40, 1.39 / 1.27; config C 1.00 / 1.18, 1.00 / 1.16, 1.12 / 1.04. 128x128 tiles 25-35 % slower
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
+                KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)]
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")

@@ -421,6 +421,27 @@ def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
                                                  without["storage"] + without["biases"]))
 
 
+def test_dw_row_offsets_in_32_and_64_bits_agree_bitwise(monkeypatch):
+    # The dW kernel does its row arithmetic in 32 bits where every element offset of its operands fits
+    # (always, at these sizes) and in 64 bits otherwise (forced here): the same loads, so the same gradients.
+    case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout="transposed", ids_mode="empty_expert", seed=2)
+    y1, narrow = run_kernels(case, "activations", window_slots=25)
+    monkeypatch.setattr(expert_bwd, "_offsets_fit_int32", lambda *tensors: False)
+    y2, wide = run_kernels(case, "activations", window_slots=25)
+    assert torch.equal(y1, y2) and torch.equal(narrow["x"], wide["x"])
+    assert all(torch.equal(a, b) for a, b in zip(narrow["storage"], wide["storage"]))
+    check_against_reference(case, "activations", tol=1e-5, window_slots=25)  # 64 bits, still patched
+
+
+def test_offsets_fit_int32_bounds():
+    def meta(shape, stride):
+        return torch.empty_strided(shape, stride, device="meta")
+    assert expert_bwd._offsets_fit_int32(meta((2 ** 15, 2 ** 16), (2 ** 16, 1)))  # last offset 2**31 - 1
+    assert not expert_bwd._offsets_fit_int32(meta((2 ** 15 + 1, 2 ** 16), (2 ** 16, 1)))
+    assert not expert_bwd._offsets_fit_int32(meta((2, 4), (4, 1)), meta((3, 2), (2 ** 30, 1)))  # any of them
+    assert expert_bwd._offsets_fit_int32(meta((0, 8), (8, 1)), meta((5, 3), (1, 5)))  # empty; column-major
+
+
 def test_accumulate_adds_onto_existing_gradients(monkeypatch):
     # accumulate=True: C = C_before + this call's contribution; an expert with no slots keeps C_before bit for
     # bit. Autotuning forced on: the tuning launch writes a scratch buffer, never C (its configuration is
