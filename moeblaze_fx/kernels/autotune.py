@@ -7,7 +7,8 @@ candidate configurations of each kind, and :func:`launch` is the single place th
   every kernel, no benchmarking. Format ``"block_m=16,block_n=16,block_k=16,num_warps=4,num_stages=1"``
   (missing keys keep the defaults of :class:`KernelConfig`).
 * under ``TRITON_INTERPRET=1`` without a pin: :data:`INTERPRETER_CONFIG` (tiny tiles, no benchmarking).
-* otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes.
+* otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes; after the first launch of
+  a key, :func:`launch` calls the kernel with the tuner's choice directly (``MOEBLAZE_LEAN_LAUNCH=0``: never).
 
 Kinds, and what ``block_m/n/k`` mean for each:
 
