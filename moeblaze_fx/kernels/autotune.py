@@ -186,19 +186,19 @@ def tuned(kernel, kind: str, key: list[str]):
 # kernel with it. Triton's Autotuner.run rebuilds its key from every argument at every launch, and a windowed
 # step makes ~10 launches a window: its host time, not its kernels, bounded the step (benchmarks/RESULTS.md).
 _CHOSEN: dict[tuple, dict] = {}
-_KEY_POSITIONS: dict[int, tuple] = {}
+_KEY_POSITIONS: dict[object, tuple] = {}  # per tuned kernel (module-level singletons, keyed by themselves)
 
 
 def _launch_key(tuned_kernel, args: tuple, constexprs: dict) -> tuple:
     """At least as fine as ``triton.autotune``'s key (its key arguments' values and every tensor argument's
     dtype): those, plus every constexpr, so that one entry never stands for two of the tuner's keys."""
-    positions = _KEY_POSITIONS.get(id(tuned_kernel))
+    positions = _KEY_POSITIONS.get(tuned_kernel)
     if positions is None:
         names = list(tuned_kernel.arg_names)
-        positions = _KEY_POSITIONS[id(tuned_kernel)] = tuple((k, names.index(k)) for k in tuned_kernel.keys)
+        positions = _KEY_POSITIONS[tuned_kernel] = tuple((k, names.index(k)) for k in tuned_kernel.keys)
     values = tuple(args[i] if i < len(args) else constexprs[k] for k, i in positions)
     dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-    return id(tuned_kernel), values, dtypes, tuple(sorted(constexprs.items()))
+    return tuned_kernel, values, dtypes, tuple(sorted(constexprs.items()))
 
 
 def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):

@@ -537,6 +537,7 @@ def test_launch_takes_the_tuned_choice_directly_after_the_first_launch_of_a_key(
     kernel = Kernel("kernel")
     monkeypatch.setattr(autotune, "_fixed_config", lambda: None)
     monkeypatch.setattr(autotune, "_CHOSEN", {})
+    monkeypatch.setattr(autotune, "_KEY_POSITIONS", {})
     x16, x32 = torch.zeros(2, dtype=torch.float16), torch.zeros(2)
 
     def go(x, m, n, flag):
