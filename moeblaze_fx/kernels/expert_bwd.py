@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import autotune, dh_sm90
+from . import autotune
 from .autotune import plan_block_m
 from .expert_fwd import (
     ACT_CODES,
@@ -661,31 +661,25 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 assert width_n <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
                 return (num_tiles * triton.cdiv(h, width_n),)
 
-            down_strides = (w.down.stride_r, w.down.stride_c)
-            if (not recompute and act.name == "swiglu" and not autotune.pinned_config()
-                    and dh_sm90.supported(x, grad_y, pre, dpre, hw, down_strides, d, h, plan_block_m(), chunk)):
-                dh_sm90.dh_sm90(grad_y, w.down.ptrs, down_strides, table_align(w.down), weights, pre, dpre, hw,
-                                part[bias_rows:], plan, win, s0, s1, d, h, K, chunk)
-            else:
-                autotune.launch(
-                    _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
-                    "dh_recompute" if recompute else "dh", grid,
-                    grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
-                    gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
-                    weights, pre, dpre, hw, part[bias_rows:],
-                    plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
-                    win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
-                    grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
-                    w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
-                    weights.stride(0), weights.stride(1),
-                    pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
-                    part.stride(0),
-                    float(act.alpha), float(act.limit),
-                    ACT=ACT_CODES[act.name], GATED=act.gated,
-                    HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                    W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-                    RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-                )
+            autotune.launch(
+                _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
+                "dh_recompute" if recompute else "dh", grid,
+                grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
+                gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+                weights, pre, dpre, hw, part[bias_rows:],
+                plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
+                win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
+                grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
+                w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
+                weights.stride(0), weights.stride(1),
+                pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
+                part.stride(0),
+                float(act.alpha), float(act.limit),
+                ACT=ACT_CODES[act.name], GATED=act.gated,
+                HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+                W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
+                RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+            )
             del pre  # may alias dpre: it must not outlive the window
         if not skip:
             _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
