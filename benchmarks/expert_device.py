@@ -109,6 +109,20 @@ ACCUMULATE = [(777, 224, 160, 8, 2, "swiglu", "hf_fused"), (555, 160, 224, 8, 2,
 # Parts to run, in this order: small (SwiGLU), features, accumulate, configs (A-D: correctness, timing).
 PARTS = os.environ.get("MB_PARTS", "small,features,accumulate,configs").split(",")
 MICRO_KERNELS = os.environ.get("MB_MICRO_KERNELS", "dw,up,dh").split(",")  # "up" covers up and down
+# MB_MICRO_KFRACS=1,0.5,0.25: time only one variant of up, down and dh (the one named by index below), with the
+# contraction cut to these fractions of its length (d for up and dh, h for down). Outputs are then partial
+# sums: only the times mean anything. A straight-line fit t = a + b * k gives the part of a launch that does not
+# grow with k: the tiles' prologues and epilogues (what overlapping them could save at most).
+KFRACS = [float(f) for f in os.environ.get("MB_MICRO_KFRACS", "1").split(",")]
+
+
+def _k_sweep(variants, index):
+    """(variant, fraction of the contraction) pairs: every variant at its full length, or one at KFRACS."""
+    if KFRACS == [1.0]:
+        return [(v, 1.0) for v in variants]
+    return [(variants[index], f) for f in KFRACS]
+
+
 POLICIES = ("activations", "recompute")
 if DRY:
     CONFIGS = {"A": (64, 32, 48, 4, 2), "C": (50, 16, 24, 8, 3)}
@@ -575,19 +589,21 @@ def micro(result, name="A") -> None:
                                              expert_fwd.table_align(g_t, u_t), 2, x.device)
         log(f"descriptor modes: up {up_mode}, down {down_mode}, dX {dx_mode}")
         # (BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptors for the weights)
-        for bn, bk, nw, ns, gm, tma in [(128, 64, 8, 3, 8, False), (128, 64, 8, 3, 8, True), (128, 64, 8, 4, 8, False),
-                                        (128, 64, 8, 4, 8, True), (64, 64, 4, 4, 8, True), (128, 128, 8, 2, 8, True)]:
+        for (bn, bk, nw, ns, gm, tma), kf in _k_sweep(
+                [(128, 64, 8, 3, 8, False), (128, 64, 8, 3, 8, True), (128, 64, 8, 4, 8, False), (128, 64, 8, 4, 8, True),
+                 (64, 64, 4, 4, 8, True), (128, 128, 8, 2, 8, True)], 3):
             grid = (num_tiles * triton.cdiv(h, bn),)
+            dk = max(bk, int(d * kf) // bk * bk)
             try:
                 ms = bench(lambda: expert_fwd._expert_up_kernel[grid](
                     x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
-                    tile0, num_tiles, num_tiles, 0, N, d, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
+                    tile0, num_tiles, num_tiles, 0, N, dk, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
                     u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
                     1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
                     W_ALIGN=expert_fwd.table_align(g_t, u_t), W_TMA=up_mode if tma else 0, SAVE_PREACT=True, DOT_PRECISION="tf32", BLOCK_M=bm,
                     BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns), warmup=50, rep=200)
                 up_ref = hid.clone() if up_ref is None else up_ref
-                rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm, tma)), ms=ms, tflops=4 * N * d * h / ms / 1e9,
+                rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm, tma)), k=dk, ms=ms, tflops=4 * N * dk * h / ms / 1e9,
                                  bitwise_equal_to_first=bool(torch.equal(hid, up_ref))))
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(kernel="up", variant=str((bn, bk, nw, ns, gm, tma)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
@@ -596,39 +612,43 @@ def micro(result, name="A") -> None:
         y_slots = torch.empty(N, d, device=DEVICE, dtype=DTYPE)
         # down: forward Y = H @ W_down.T (k = h), backward dX = dA @ W_gate + dB @ W_up (k = 2 x h)
         down_ref = None
-        for bn, bk, nw, ns, gm, tma in [(256, 64, 8, 3, 8, False), (256, 64, 8, 3, 8, True), (256, 64, 8, 4, 8, False),
-                                        (256, 64, 8, 4, 8, True), (128, 64, 8, 4, 8, True), (128, 128, 8, 3, 8, True)]:
+        for (bn, bk, nw, ns, gm, tma), kf in _k_sweep(
+                [(256, 64, 8, 3, 8, False), (256, 64, 8, 3, 8, True), (256, 64, 8, 4, 8, False), (256, 64, 8, 4, 8, True),
+                 (128, 64, 8, 4, 8, True), (128, 128, 8, 3, 8, True)], 1):
             grid = (num_tiles * triton.cdiv(d, bn),)
+            hk = max(bk, int(h * kf) // bk * bk)
             meta = dict(HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
                         num_warps=nw, num_stages=ns)
             try:
                 ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
                     hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
-                    num_tiles, 0, N, d, h, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
+                    num_tiles, 0, N, d, hk, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
                     d_t.stride_r, y_slots.stride(0), y_slots.stride(1), TWO_B=False,
                     B_ALIGN=expert_fwd.table_align(d_t), B_TMA=down_mode if tma else 0, **meta), warmup=50, rep=200)
                 down_ref = y_slots.clone() if down_ref is None else down_ref
                 same_y = bool(torch.equal(y_slots, down_ref))
                 ms_dx = bench(lambda: expert_fwd._expert_down_kernel[grid](
                     dpre, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
-                    num_tiles, 0, N, d, h, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
+                    num_tiles, 0, N, d, hk, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
                     u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
                     B_ALIGN=expert_fwd.table_align(g_t, u_t), B_TMA=dx_mode if tma else 0, **meta), warmup=50, rep=200)
-                rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), y_ms=ms_y,
-                                 y_tflops=2 * N * d * h / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * h / ms_dx / 1e9,
+                rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), k=hk, y_ms=ms_y,
+                                 y_tflops=2 * N * d * hk / ms_y / 1e9, dx_ms=ms_dx, dx_tflops=4 * N * d * hk / ms_dx / 1e9,
                                  y_bitwise_equal_to_first=same_y))
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(kernel="down", variant=str((bn, bk, nw, ns, gm, tma)), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             log(f"micro {rows[-1]}")
         del y_slots, pre_out, down_ref
     if "dh" in MICRO_KERNELS:
-        for bn, bk, nw, ns, split, gm in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16),
-                                          (64, 64, 8, 3, 2, 16), (64, 64, 8, 4, 1, 8)]:
+        for (bn, bk, nw, ns, split, gm), kf in _k_sweep(
+                [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8), (64, 64, 4, 4, 2, 16), (64, 64, 8, 3, 2, 16),
+                 (64, 64, 8, 4, 1, 8)], 0):
             grid = (num_tiles * triton.cdiv(h, bn * split),)
+            dk = max(bk, int(d * kf) // bk * bk)
             try:
                 ms = bench(lambda: expert_bwd._expert_dh_kernel[grid](
                     gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, part, plan.token_index, off,
-                    plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, d, h, K, gy.stride(0), gy.stride(1), x.stride(0),
+                    plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, dk, h, K, gy.stride(0), gy.stride(1), x.stride(0),
                     x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c, d_t.stride_r, d_t.stride_c,
                     w.stride(0), w.stride(1), preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1),
                     hw.stride(0), hw.stride(1), part.stride(0), 1.0, 0.0,
@@ -636,7 +656,8 @@ def micro(result, name="A") -> None:
                     W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
                     SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
                     num_stages=ns), warmup=50, rep=200)
-                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), ms=ms, tflops=2 * N * d * h / ms / 1e9))
+                rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), k=dk, ms=ms,
+                                 tflops=2 * N * dk * h / ms / 1e9))
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             log(f"micro {rows[-1]}")
