@@ -99,7 +99,7 @@ if _GLUON:
                 g += 1
 
     @gluon.jit
-    def _dw_consumer(out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty,
+    def _dw_consumer(out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, turn,
                      num_tiles, num_m, num_n, slot0, slot1, own_end, stride_o_m,
                      WHICH: gl.constexpr, OUT_FP32: gl.constexpr, O_ALIGN: gl.constexpr,
                      BLOCK: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
@@ -116,33 +116,43 @@ if _GLUON:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             e, pid_m, pid_n, seg_lo, seg_hi, n_k, write = _dw_tile(tile, num_m, num_n, offsets_ptr, slot0, slot1,
                                                                     own_end, BLOCK_K)
-            if (j % 2 == WHICH) & write:
-                out_e = gl.load(out_table_ptr + e).to(gl.pointer_type(out_ty))
-                if O_ALIGN > 1:
-                    out_e = gl.multiple_of(out_e, O_ALIGN)
-                if n_k > 0:
-                    # Without the fact, the path that skips the loop joins the final wait with a zero-initialised
-                    # accumulator, and ptxas serializes every wgmma (C7515; benchmarks/NOTES-kernels.md).
-                    gl.assume(n_k > 0)
-                    acc = gl.zeros([BLOCK, BLOCK], gl.float32, layout=mma)
-                    for k in range(n_k):
-                        s = (g + k) % STAGES
-                        mbarrier.wait(ready.index(s), ((g + k) // STAGES) & 1)
-                        fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads the async one
-                        acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, use_acc=k > 0,
-                                            is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                        # the MMA of step k - 1 is done: its stage may be refilled
-                        mbarrier.arrive(empty.index((g + k + STAGES - 1) % STAGES), pred=k > 0)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    mbarrier.arrive(empty.index((g + n_k - 1) % STAGES))
-                    # offsets built from the tile's own indices here: hoisted out of the tile loop, the 128 of each
-                    # thread stay live through it and spill
-                    offs = (pid_m * BLOCK + rows)[:, None] * stride_o_m + (pid_n * BLOCK + cols)[None, :]
-                    gl.store(out_e + offs, acc.to(out_ty))
-                else:  # no slots here: this window writes the expert's zeros
-                    offs = (pid_m * BLOCK + rows)[:, None] * stride_o_m + (pid_n * BLOCK + cols)[None, :]
-                    gl.store(out_e + offs, gl.zeros([BLOCK, BLOCK], out_ty, layout=mma))
+            if j % 2 == WHICH:
+                # Take turns: this tile's K loop starts once the other consumer's K loop of tile j - 1 has seen
+                # all its stages. A waiter more than one phase ahead of an mbarrier reads its parity wrongly,
+                # so without the turn this consumer could run ahead of the ring; with it, the two K loops
+                # alternate and each epilogue runs beside the other consumer's K loop.
+                mbarrier.wait(turn.index(1 - WHICH), ((j - 1) // 2) & 1, pred=j > 0)
+                if write:
+                    out_e = gl.load(out_table_ptr + e).to(gl.pointer_type(out_ty))
+                    if O_ALIGN > 1:
+                        out_e = gl.multiple_of(out_e, O_ALIGN)
+                    if n_k > 0:
+                        # Without the fact, the path that skips the loop joins the final wait with a zero-initialised
+                        # accumulator, and ptxas serializes every wgmma (C7515; benchmarks/NOTES-kernels.md).
+                        gl.assume(n_k > 0)
+                        acc = gl.zeros([BLOCK, BLOCK], gl.float32, layout=mma)
+                        for k in range(n_k):
+                            s = (g + k) % STAGES
+                            mbarrier.wait(ready.index(s), ((g + k) // STAGES) & 1)
+                            fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads the async one
+                            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, use_acc=k > 0,
+                                                is_async=True)
+                            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                            # the MMA of step k - 1 is done: its stage may be refilled
+                            mbarrier.arrive(empty.index((g + k + STAGES - 1) % STAGES), pred=k > 0)
+                        mbarrier.arrive(turn.index(WHICH))
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                        mbarrier.arrive(empty.index((g + n_k - 1) % STAGES))
+                        # offsets built from the tile's own indices here: hoisted out of the tile loop, the 128 of
+                        # each thread stay live through it and spill
+                        offs = (pid_m * BLOCK + rows)[:, None] * stride_o_m + (pid_n * BLOCK + cols)[None, :]
+                        gl.store(out_e + offs, acc.to(out_ty))
+                    else:  # no slots here: this window writes the expert's zeros
+                        mbarrier.arrive(turn.index(WHICH))
+                        offs = (pid_m * BLOCK + rows)[:, None] * stride_o_m + (pid_n * BLOCK + cols)[None, :]
+                        gl.store(out_e + offs, gl.zeros([BLOCK, BLOCK], out_ty, layout=mma))
+                else:
+                    mbarrier.arrive(turn.index(WHICH))
             g += n_k
             j += 1
 
@@ -166,17 +176,20 @@ if _GLUON:
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK], sl)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # consumer c's K loop done
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=128)  # one arrival per producer thread
             mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_tiles, num_m, num_n, K = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(K)
         slot0, slot1, own_end = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(own_end)
         stride_a_r, stride_b_r, stride_o_m = gl.to_tensor(stride_a_r), gl.to_tensor(stride_b_r), gl.to_tensor(stride_o_m)
         gl.warp_specialize([
-            (_dw_consumer, (out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, num_tiles, num_m, num_n, slot0,
+            (_dw_consumer, (out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, turn, num_tiles, num_m, num_n, slot0,
                             slot1, own_end, stride_o_m, 0, OUT_FP32, O_ALIGN, BLOCK, BLOCK_K, STAGES)),
-            (_dw_consumer, (out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, num_tiles, num_m, num_n, slot0,
+            (_dw_consumer, (out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, turn, num_tiles, num_m, num_n, slot0,
                             slot1, own_end, stride_o_m, 1, OUT_FP32, O_ALIGN, BLOCK, BLOCK_K, STAGES)),
             (_dw_producer, (a_ptr, b_ptr, token_index_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, num_tiles,
                             num_m, num_n, K, slot0, slot1, own_end, stride_a_r, stride_b_r, GATHER_A, BLOCK, BLOCK_K,
