@@ -74,9 +74,10 @@ def cases(inp, dpre, hw, h):
             ("dW_up", dpre[:, h:], x, False, (E, h, d))]
 
 
-def gluon(a, b, gather_a, out, plan, K, window, stages=dw_sm90.DEFAULT_STAGES, regs=None):
+def gluon(a, b, gather_a, out, plan, K, window, stages=dw_sm90.DEFAULT_STAGES, regs=None, **kw):
     t = ed.table(out)
-    kw = {} if regs is None else {"regs": regs}
+    if regs is not None:
+        kw["regs"] = regs
     dw_sm90.dw_sm90(a, b, gather_a, t, plan.token_index, plan.offsets, K, window, expert_fwd.table_align(t),
                     stages=stages, **kw)
 
@@ -170,20 +171,27 @@ def timing(rows):
                                  tflops=flops / ms / 1e9))
                 dump(rows)
                 log(json.dumps(rows[-1]))
+            # (stages, registers, index loads one step ahead, both operands pre-gathered: what the gather costs)
+            tok = plan.token_index.long() // K
+            pre = (a[tok], b, False) if gather_a else (a, b[tok], False)  # copies, only to measure the gather
             for stages in STAGES:
                 for regs in REGS:
-                    row = dict(part="time", config=name, kernel=kname, impl="gluon", variant=[stages, *regs])
-                    try:
-                        ms = do_bench(lambda: gluon(a, b, gather_a, out, plan, K, window, stages, regs),
-                                      warmup=25, rep=100)
-                        scale = float(ref.float().abs().max())
-                        row.update(ms=ms, tflops=flops / ms / 1e9,
-                                   rel_diff_vs_triton=float((out.float() - ref.float()).abs().max()) / scale)
-                    except Exception as exc:  # noqa: BLE001
-                        row.update(error=f"{type(exc).__name__}: {str(exc)[:1500]}")
-                    rows.append(row)
-                    dump(rows)
-                    log(json.dumps(row))
+                    for ahead, pregathered in ((False, False), (True, False), (True, True)):
+                        row = dict(part="time", config=name, kernel=kname, impl="gluon",
+                                   variant=[stages, *regs, "ahead" if ahead else "", "pregathered" if pregathered else ""])
+                        aa, bb, ga = pre if pregathered else (a, b, gather_a)
+                        try:
+                            ms = do_bench(lambda: gluon(aa, bb, ga, out, plan, K, window, stages, regs, idx_ahead=ahead,
+                                                        gather_b=False if pregathered else None), warmup=25, rep=100)
+                            scale = float(ref.float().abs().max())
+                            row.update(ms=ms, tflops=flops / ms / 1e9,
+                                       rel_diff_vs_triton=float((out.float() - ref.float()).abs().max()) / scale)
+                        except Exception as exc:  # noqa: BLE001
+                            row.update(error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+                        rows.append(row)
+                        dump(rows)
+                        log(json.dumps(row))
+            del pre
 
 
 META = {}

@@ -76,7 +76,8 @@ if _GLUON:
     @gluon.jit
     def _dw_producer(a_ptr, b_ptr, token_index_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty,
                      num_tiles, num_m, num_n, K, slot0, slot1, own_end, stride_a_r, stride_b_r,
-                     GATHER_A: gl.constexpr, BLOCK: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                     GATHER_A: gl.constexpr, GATHER_B: gl.constexpr, IDX_AHEAD: gl.constexpr,
+                     BLOCK: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BLOCK_K, 128], 16 B per thread
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ld))
         cs = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, ld))
@@ -86,11 +87,19 @@ if _GLUON:
                                                                     own_end, BLOCK_K)
             a_cols = a_ptr + (pid_m * BLOCK + cs)[None, :]
             b_cols = b_ptr + (pid_n * BLOCK + cs)[None, :]
+            ra_next = _dw_rows(token_index_ptr, seg_lo + ks, seg_hi, slot0, K, GATHER_A)
+            rb_next = _dw_rows(token_index_ptr, seg_lo + ks, seg_hi, slot0, K, GATHER_B)
             for k in range(n_k):
                 slots = seg_lo + k * BLOCK_K + ks
                 mask = (slots < seg_hi)[:, None]
-                ra = _dw_rows(token_index_ptr, slots, seg_hi, slot0, K, GATHER_A)
-                rb = _dw_rows(token_index_ptr, slots, seg_hi, slot0, K, not GATHER_A)
+                if IDX_AHEAD:  # this step's rows were loaded one step earlier; load the next step's now
+                    ra = ra_next
+                    rb = rb_next
+                    ra_next = _dw_rows(token_index_ptr, slots + BLOCK_K, seg_hi, slot0, K, GATHER_A)
+                    rb_next = _dw_rows(token_index_ptr, slots + BLOCK_K, seg_hi, slot0, K, GATHER_B)
+                else:
+                    ra = _dw_rows(token_index_ptr, slots, seg_hi, slot0, K, GATHER_A)
+                    rb = _dw_rows(token_index_ptr, slots, seg_hi, slot0, K, GATHER_B)
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the MMA that read it has finished
                 cp.async_copy_global_to_shared(a_bufs.index(s), a_cols + ra[:, None] * stride_a_r, mask=mask)
@@ -164,8 +173,8 @@ if _GLUON:
         token_index_ptr, offsets_ptr,
         num_tiles, num_m, num_n, K, slot0, slot1, own_end,
         stride_a_r, stride_b_r, stride_o_m,
-        GATHER_A: gl.constexpr, OUT_FP32: gl.constexpr, O_ALIGN: gl.constexpr,
-        BLOCK: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        GATHER_A: gl.constexpr, GATHER_B: gl.constexpr, IDX_AHEAD: gl.constexpr,
+        OUT_FP32: gl.constexpr, O_ALIGN: gl.constexpr, BLOCK: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):
         """grid = (min(SMs, num_tiles),), num_warps=4 (consumer 0) + 4 (consumer 1) + 4 (producer);
@@ -192,8 +201,8 @@ if _GLUON:
             (_dw_consumer, (out_table_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, turn, num_tiles, num_m, num_n, slot0,
                             slot1, own_end, stride_o_m, 1, OUT_FP32, O_ALIGN, BLOCK, BLOCK_K, STAGES)),
             (_dw_producer, (a_ptr, b_ptr, token_index_ptr, offsets_ptr, a_bufs, b_bufs, ready, empty, num_tiles,
-                            num_m, num_n, K, slot0, slot1, own_end, stride_a_r, stride_b_r, GATHER_A, BLOCK, BLOCK_K,
-                            STAGES)),
+                            num_m, num_n, K, slot0, slot1, own_end, stride_a_r, stride_b_r, GATHER_A, GATHER_B, IDX_AHEAD,
+                            BLOCK, BLOCK_K, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -230,7 +239,8 @@ def supported(a: torch.Tensor, b: torch.Tensor, m_dim: int, n_dim: int, out_dtyp
 
 def dw_sm90(a: torch.Tensor, b: torch.Tensor, gather_a: bool, out, token_index: torch.Tensor,
             offsets: torch.Tensor, K: int, window: tuple[int, int, int], out_align: int,
-            stages: int = DEFAULT_STAGES, regs: tuple[int, int, int] = (168, 216, 72)) -> None:
+            stages: int = DEFAULT_STAGES, regs: tuple[int, int, int] = (168, 216, 72), idx_ahead: bool = True,
+            gather_b: bool | None = None) -> None:
     """Launch over every output tile (``out``: a :class:`~.tables.WeightTable`); ``window`` = (slot0 == 0,
     slot1, own_end) as for the Triton kernel. ``regs`` = (kernel maxnreg, consumers, producer)."""
     slot0, slot1, own_end = window
@@ -245,7 +255,8 @@ def dw_sm90(a: torch.Tensor, b: torch.Tensor, gather_a: bool, out, token_index: 
     _expert_dw_sm90_kernel[grid](
         a, b, out.ptrs, token_index, offsets, num_tiles, num_m, num_n, K, slot0, slot1, own_end,
         a.stride(0), b.stride(0), out.stride_r,
-        GATHER_A=gather_a, OUT_FP32=out.dtype == torch.float32 and a.dtype != torch.float32, O_ALIGN=out_align,
+        GATHER_A=gather_a, GATHER_B=(not gather_a) if gather_b is None else gather_b, IDX_AHEAD=idx_ahead,
+        OUT_FP32=out.dtype == torch.float32 and a.dtype != torch.float32, O_ALIGN=out_align,
         BLOCK=BLOCK, BLOCK_K=BLOCK_K, STAGES=stages, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
         num_warps=4, maxnreg=maxnreg,
     )
