@@ -9,8 +9,9 @@ dW kernel, in one call.
    slot window (experts past it untouched); against a float32 torch reference and the Triton kernel; two runs
    bitwise equal; counts the Gluon launches.
 2. timing (``triton.testing.do_bench``, median, raw launches) of dW_down and dW_gate at configs C, D, A
-   (``MB_DW_CONFIGS``): the Triton kernel's three tuned tiles, and the Gluon kernel at ``MB_DW_STAGES`` /
-   ``MB_DW_REGS`` (``maxnreg,consumer,producer`` triples separated by ``;``).
+   (``MB_DW_CONFIGS``): the Triton kernel's three tuned tiles, and the Gluon kernel's ``MB_DW_VARIANTS``
+   (``stages,block_k,maxnreg,consumer regs,producer regs``, separated by ``;``), each with and without the
+   token rows loaded a step ahead and with both operands pre-gathered (``MB_DW_AHEAD_PRE``).
 Writes OUTDIR/dw_sm90.json; prints the table last.
 """
 from __future__ import annotations
@@ -31,8 +32,12 @@ from moeblaze_fx.kernels import dw_sm90, expert_bwd, expert_fwd  # noqa: E402
 
 T0 = time.time()
 CONFIGS = os.environ.get("MB_DW_CONFIGS", "C,D,A").split(",")
-STAGES = [int(s) for s in os.environ.get("MB_DW_STAGES", "6,4").split(",")]
-REGS = [tuple(int(v) for v in r.split(",")) for r in os.environ.get("MB_DW_REGS", "168,216,72").split(";")]
+# Gluon variants: "stages,block_k,maxnreg,consumer regs,producer regs" separated by ";"
+VARIANTS = [(v[0], v[1], tuple(v[2:])) for v in (tuple(int(x) for x in spec.split(","))
+            for spec in os.environ.get("MB_DW_VARIANTS", "6,64,168,216,72;4,64,168,216,72").split(";"))]
+# (token rows loaded one step ahead, operands pre-gathered into copies: what the gather costs)
+AHEAD_PRE = [(a == "1", p == "1") for a, p in (x.split(",") for x in
+                                               os.environ.get("MB_DW_AHEAD_PRE", "0,0;1,0;1,1").split(";"))]
 # (T, d, h, E, K, ids_mode): m and n are multiples of 128 (the Gluon kernel's tile)
 SHAPES = [(1000, 256, 384, 8, 4, "empty_expert"), (700, 384, 128, 4, 2, "one_expert"),
           (4099, 1024, 768, 32, 8, "random"), (513, 128, 256, 6, 2, "sentinel"), (3, 128, 128, 5, 2, "random")]
@@ -174,23 +179,24 @@ def timing(rows):
             # (stages, registers, index loads one step ahead, both operands pre-gathered: what the gather costs)
             tok = plan.token_index.long() // K
             pre = (a[tok], b, False) if gather_a else (a, b[tok], False)  # copies, only to measure the gather
-            for stages in STAGES:
-                for regs in REGS:
-                    for ahead, pregathered in ((False, False), (True, False), (True, True)):
-                        row = dict(part="time", config=name, kernel=kname, impl="gluon",
-                                   variant=[stages, *regs, "ahead" if ahead else "", "pregathered" if pregathered else ""])
-                        aa, bb, ga = pre if pregathered else (a, b, gather_a)
-                        try:
-                            ms = do_bench(lambda: gluon(aa, bb, ga, out, plan, K, window, stages, regs, idx_ahead=ahead,
-                                                        gather_b=False if pregathered else None), warmup=25, rep=100)
-                            scale = float(ref.float().abs().max())
-                            row.update(ms=ms, tflops=flops / ms / 1e9,
-                                       rel_diff_vs_triton=float((out.float() - ref.float()).abs().max()) / scale)
-                        except Exception as exc:  # noqa: BLE001
-                            row.update(error=f"{type(exc).__name__}: {str(exc)[:1500]}")
-                        rows.append(row)
-                        dump(rows)
-                        log(json.dumps(row))
+            for stages, block_k, regs in VARIANTS:
+                for ahead, pregathered in AHEAD_PRE:
+                    row = dict(part="time", config=name, kernel=kname, impl="gluon",
+                               variant=[stages, block_k, *regs, "ahead" if ahead else "",
+                                        "pregathered" if pregathered else ""])
+                    aa, bb, ga = pre if pregathered else (a, b, gather_a)
+                    try:
+                        ms = do_bench(lambda: gluon(aa, bb, ga, out, plan, K, window, stages, regs, idx_ahead=ahead,
+                                                    gather_b=False if pregathered else None, block_k=block_k),
+                                      warmup=25, rep=100)
+                        scale = float(ref.float().abs().max())
+                        row.update(ms=ms, tflops=flops / ms / 1e9,
+                                   rel_diff_vs_triton=float((out.float() - ref.float()).abs().max()) / scale)
+                    except Exception as exc:  # noqa: BLE001
+                        row.update(error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+                    rows.append(row)
+                    dump(rows)
+                    log(json.dumps(row))
             del pre
 
 

@@ -240,7 +240,7 @@ def supported(a: torch.Tensor, b: torch.Tensor, m_dim: int, n_dim: int, out_dtyp
 def dw_sm90(a: torch.Tensor, b: torch.Tensor, gather_a: bool, out, token_index: torch.Tensor,
             offsets: torch.Tensor, K: int, window: tuple[int, int, int], out_align: int,
             stages: int = DEFAULT_STAGES, regs: tuple[int, int, int] = (168, 216, 72), idx_ahead: bool = True,
-            gather_b: bool | None = None) -> None:
+            gather_b: bool | None = None, block_k: int = BLOCK_K) -> None:
     """Launch over every output tile (``out``: a :class:`~.tables.WeightTable`); ``window`` = (slot0 == 0,
     slot1, own_end) as for the Triton kernel. ``regs`` = (kernel maxnreg, consumers, producer)."""
     slot0, slot1, own_end = window
@@ -257,6 +257,6 @@ def dw_sm90(a: torch.Tensor, b: torch.Tensor, gather_a: bool, out, token_index: 
         a.stride(0), b.stride(0), out.stride_r,
         GATHER_A=gather_a, GATHER_B=(not gather_a) if gather_b is None else gather_b, IDX_AHEAD=idx_ahead,
         OUT_FP32=out.dtype == torch.float32 and a.dtype != torch.float32, O_ALIGN=out_align,
-        BLOCK=BLOCK, BLOCK_K=BLOCK_K, STAGES=stages, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
+        BLOCK=BLOCK, BLOCK_K=block_k, STAGES=stages, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
         num_warps=4, maxnreg=maxnreg,
     )
