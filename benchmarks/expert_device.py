@@ -521,7 +521,7 @@ def micro(result, name="A") -> None:
     log(f"micro at config {name}")
     off = plan.offsets
 
-    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm, tma=False, rows32=None):
+    def dw_launch(a, b, gather_a, gather_b, out, bm, bn, bk, nw, ns, gm, tma=False, rows32=None, tok_ahead=False):
         m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
         if tma:
@@ -529,6 +529,7 @@ def micro(result, name="A") -> None:
         # rows32 None: the heuristics decide (ROWS32 when the offsets fit); 0/1: the jit function, pinned
         k, extra = (kern, {}) if rows32 is None else (kern.fn, dict(
             EVEN_M=m_dim % bm == 0, EVEN_N=n_dim % bn == 0, ROWS32=rows32))
+        extra["TOK_AHEAD"] = tok_ahead
         k[grid](a, b, out.ptrs, plan.token_index, off, m_dim, n_dim, K, 0, N, N + 1, a.stride(0), a.stride(1),
                 b.stride(0), b.stride(1), out.stride_r, out.stride_c, GATHER_A=gather_a, GATHER_B=gather_b,
                 OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
@@ -536,10 +537,13 @@ def micro(result, name="A") -> None:
                 **extra)
 
     flops_dd, flops_dg = 2 * N * d * h, 2 * N * d * h
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptor for the slot operand, 32-bit row offsets)
-    variants = [(128, 256, 64, 8, 4, 8, True, 0), (128, 256, 64, 8, 4, 8, True, 1),
-                (256, 128, 64, 8, 3, 8, True, 0), (256, 128, 64, 8, 3, 8, True, 1),
-                (128, 256, 64, 8, 3, 8, True, 0), (128, 256, 64, 8, 3, 8, True, 1)]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptor for the slot operand, 32-bit row offsets
+    # (None: the heuristic), token rows in registers one chunk ahead (the kernel before 2026-11-21's seventh
+    # session) or pipelined as an indirect load (which costs a stage: 5 stages hold 3 tile buffers))
+    variants = [(128, 256, 64, 8, 4, 8, True, None, True), (128, 256, 64, 8, 3, 8, True, None, True),
+                (256, 128, 64, 8, 3, 8, True, None, True),
+                (128, 256, 64, 8, 7, 8, True, None, False), (128, 256, 64, 8, 5, 8, True, None, False),
+                (256, 128, 64, 8, 5, 8, True, None, False), (256, 128, 64, 8, 7, 8, True, None, False)]
     if "dw" in MICRO_KERNELS:
         base = None
         for v in variants:

@@ -281,6 +281,12 @@ def _offsets_fit_int32(*tensors: Tensor) -> bool:
     return all(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) < 2 ** 31 for t in tensors)
 
 
+@triton.jit
+def _token_rows(token_index_ptr, s, seg_hi, K, IDX: tl.constexpr):
+    """Token row of each slot in ``s`` (0 past the segment's end)."""
+    return (tl.load(token_index_ptr + s, mask=s < seg_hi, other=0) // K).to(IDX)
+
+
 @triton.heuristics({
     "EVEN_M": lambda a: a["m_dim"] % a["BLOCK_M"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
@@ -307,6 +313,7 @@ def _expert_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
+    TOK_AHEAD: tl.constexpr = False,  # gathered rows: a register prefetch one chunk ahead (see below)
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     the contraction running over that expert's slots inside the window BLOCK_K at a time (full chunks
@@ -365,15 +372,15 @@ def _expert_dw_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     IDX: tl.constexpr = tl.int32 if ROWS32 else tl.int64
-    # Token rows of the gathered operand are loaded one chunk ahead (a loop-carried register prefetch):
-    # the tile loads then depend on a loop-carried value, not on a load of the same iteration, so the
-    # pipeliner can keep several chunks in flight.
+    # Token rows of the gathered operand. TOK_AHEAD: loaded one chunk ahead into registers (a loop-carried
+    # prefetch); the pipeliner then reloads them in the iteration that issues the tile copy needing them, so
+    # every iteration waits on that load (TTGIR, sm_90). Otherwise loaded in the chunk's own iteration: the
+    # pipeliner treats that as an indirect load, copying the rows into shared memory asynchronously a stage
+    # before the tile copy; that costs a stage (num_stages 5 keeps the three tile buffers that 3 gave).
     # Slot-ordered operands hold the window's rows: row = slot - slot0.
     s = seg_lo + offs_s
-    if GATHER_A or GATHER_B:
-        tok = (tl.load(token_index_ptr + s, mask=s < seg_hi, other=0) // K).to(IDX)
-    else:
-        tok = s.to(IDX)
+    if TOK_AHEAD and (GATHER_A or GATHER_B):
+        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     if TMA:
         # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
@@ -390,9 +397,10 @@ def _expert_dw_kernel(
     for i in range(0, n_full):
         s_next = s + BLOCK_K
         if GATHER_A or GATHER_B:
-            tok_next = (tl.load(token_index_ptr + s_next, mask=s_next < seg_hi, other=0) // K).to(IDX)
-        else:
-            tok_next = s_next.to(IDX)
+            if TOK_AHEAD:
+                tok_next = _token_rows(token_index_ptr, s_next, seg_hi, K, IDX)
+            else:
+                tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         if GATHER_A:
             ra = tok
         else:
@@ -411,8 +419,11 @@ def _expert_dw_kernel(
             b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         s = s_next
-        tok = tok_next
-    if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots (its rows are already in tok)
+        if TOK_AHEAD and (GATHER_A or GATHER_B):
+            tok = tok_next
+    if (GATHER_A or GATHER_B) and not TOK_AHEAD:
+        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
+    if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots
         s_mask = s < seg_hi
         s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
         if GATHER_A:
