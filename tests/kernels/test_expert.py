@@ -507,8 +507,10 @@ def test_deterministic_under_interpreter():
 
 def test_pinned_config(monkeypatch):
     # MOEBLAZE_KERNEL_CONFIG pins one configuration: plan_block_m follows it, and results still match.
-    # split_n=2: the dh kernel's two side-by-side tiles (the interpreter default runs split_n=1).
-    monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,split_n=2")
+    # split_n=2: the dh kernel's two side-by-side tiles; tok_ahead=1: the dW kernel's gathered rows prefetched
+    # into registers (the interpreter default runs split_n=1 and the pipelined rows).
+    monkeypatch.setenv(autotune.ENV_VAR,
+                       "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,split_n=2,tok_ahead=1")
     assert plan_block_m() == 32
     case = make_case(45, 40, 36, 3, 2, ids_mode="empty_expert", seed=13)  # h=36: a half-empty second tile
     check_against_reference(case, "activations", tol=1e-5)
@@ -567,7 +569,7 @@ def test_table_align_is_the_largest_proven_power_of_two():
         assert table_align(WeightTable(*base)) == 1
 
 
-@pytest.mark.parametrize("spec", ["block_m=12", "block_m", "blockm=16", "block_n=x", "split_n=3"])
+@pytest.mark.parametrize("spec", ["block_m=12", "block_m", "blockm=16", "block_n=x", "split_n=3", "tok_ahead=2"])
 def test_pinned_config_rejects_bad_specs(monkeypatch, spec):
     monkeypatch.setenv(autotune.ENV_VAR, spec)
     with pytest.raises(ValueError, match=autotune.ENV_VAR):
