@@ -500,7 +500,8 @@ def time_config(name, inp, policy):
 
 def micro(result, name="A") -> None:
     """Variants of the backward kernels at one config, raw launches (no autotuner), to see what limits them.
-    Variants: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, TMA for the slot-ordered operand)."""
+    dW variants: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, TMA for the slot-ordered operand, 32-bit
+    row offsets, token rows prefetched into registers); the others are listed where they are timed."""
     T, d, h, E, K = CONFIGS[name]
     N = T * K
     inp = make_inputs(T, d, h, E, K, seed=2)

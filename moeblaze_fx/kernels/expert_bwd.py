@@ -372,6 +372,7 @@ def _expert_dw_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     IDX: tl.constexpr = tl.int32 if ROWS32 else tl.int64
+    GATHER: tl.constexpr = GATHER_A or GATHER_B
     # Token rows of the gathered operand. TOK_AHEAD: loaded one chunk ahead into registers (a loop-carried
     # prefetch); the pipeliner then reloads them in the iteration that issues the tile copy needing them, so
     # every iteration waits on that load (TTGIR, sm_90). Otherwise loaded in the chunk's own iteration: the
@@ -379,7 +380,7 @@ def _expert_dw_kernel(
     # before the tile copy; that costs a stage (num_stages 5 keeps the three tile buffers that 3 gave).
     # Slot-ordered operands hold the window's rows: row = slot - slot0.
     s = seg_lo + offs_s
-    if TOK_AHEAD and (GATHER_A or GATHER_B):
+    if TOK_AHEAD and GATHER:
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     if TMA:
@@ -396,7 +397,7 @@ def _expert_dw_kernel(
                                                   block_shape=[BLOCK_K, BLOCK_M])
     for i in range(0, n_full):
         s_next = s + BLOCK_K
-        if GATHER_A or GATHER_B:
+        if GATHER:
             if TOK_AHEAD:
                 tok_next = _token_rows(token_index_ptr, s_next, seg_hi, K, IDX)
             else:
@@ -419,9 +420,9 @@ def _expert_dw_kernel(
             b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         s = s_next
-        if TOK_AHEAD and (GATHER_A or GATHER_B):
+        if TOK_AHEAD and GATHER:
             tok = tok_next
-    if (GATHER_A or GATHER_B) and not TOK_AHEAD:
+    if GATHER and not TOK_AHEAD:
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
     if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots
         s_mask = s < seg_hi
