@@ -82,15 +82,15 @@ def _dh(rows):
 
 def _dw(rows):
     from moeblaze_fx.kernels import expert_bwd
-    for gather_a in (True, False):
-        for bm, bn, ns in [(128, 256, 4), (256, 128, 3), (128, 128, 3)]:
-            c = dict(GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=False, ACCUMULATE=False, O_ALIGN=16,
-                     MAY_ADD=False, TMA=True, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8,
-                     EVEN_M=True, EVEN_N=True)
-            r = compile_kernel(expert_bwd._expert_dw_kernel, c, num_warps=8, num_stages=ns,
-                               ones=("stride_a_m", "stride_b_n", "stride_o_n"),
-                               div16=("m_dim", "n_dim", "stride_a_r", "stride_b_r", "stride_o_m"))
-            rows.append((f"dw {'dW_down (dy gathered)' if gather_a else 'dW_gate (x gathered)'} {bm}x{bn} s{ns}", r))
+    # dW_down stores its tile row-major (d rows of [d, h]); dW_gate / dW_up, computed transposed, column-major
+    for name, ones, div16 in [("dW_down", ("stride_a_m", "stride_b_n", "stride_o_n"), ("stride_o_m",)),
+                              ("dW_gate transposed", ("stride_a_m", "stride_b_n", "stride_o_m"), ("stride_o_n",))]:
+        for bm, bn, ns in [(128, 256, 7), (128, 256, 5)]:
+            c = dict(OUT_FP32=False, ACCUMULATE=False, O_ALIGN=16, MAY_ADD=False, TMA=True, DOT_PRECISION="tf32",
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, EVEN_M=True, EVEN_N=True, ROWS32=True)
+            r = compile_kernel(expert_bwd._expert_dw_kernel, c, num_warps=8, num_stages=ns, ones=ones,
+                               div16=("m_dim", "n_dim", "stride_a_r", "stride_b_r") + div16)
+            rows.append((f"dw {name} {bm}x{bn} s{ns}", r))
 
 
 def main(argv: list[str]) -> int:

@@ -68,7 +68,6 @@ class KernelConfig:
     num_stages: int = 3
     group_m: int = 8
     split_n: int = 1  # dh only: side-by-side block_n tiles per program (1 or 2)
-    tok_ahead: int = 0  # dw only: gathered rows prefetched into registers one chunk ahead (1), or pipelined (0)
 
     def meta(self, kind: str) -> dict[str, int]:
         """The constexpr meta-parameters this config sets for kernels of ``kind``."""
@@ -79,8 +78,7 @@ class KernelConfig:
         if kind in _TILE_KINDS:  # BLOCK_M comes from the plan
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
         if kind == "dw":
-            return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m,
-                    "TOK_AHEAD": bool(self.tok_ahead)}
+            return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
 
     def to_triton(self, kind: str) -> triton.Config:
@@ -117,8 +115,6 @@ def pinned_config() -> KernelConfig | None:
             raise ValueError(f"{ENV_VAR}={spec!r}: {name} must be a power of two >= 16, got {v}")
     if cfg.split_n not in (1, 2):
         raise ValueError(f"{ENV_VAR}={spec!r}: split_n must be 1 or 2, got {cfg.split_n}")
-    if cfg.tok_ahead not in (0, 1):
-        raise ValueError(f"{ENV_VAR}={spec!r}: tok_ahead must be 0 or 1, got {cfg.tok_ahead}")
     return cfg
 
 
@@ -168,14 +164,13 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
-    elif kind == "dw":  # H100, 2026-11-21 (seventh session, c98c2e1), raw launches, dW_down / dW_gate ms. Gathered
-        # rows pipelined (tok_ahead=0; 7 and 5 stages hold 4 and 3 tile buffers): 128x256 s7 C 0.95 / 1.11, D 1.11 /
-        # 1.38, A 7.88 / 9.32; s5 C 0.94 / 1.10, D 1.15 / 1.35, A 7.96 / 9.93. In registers one chunk ahead: 256x128 s3
-        # C 1.12 / 1.03, D 1.44 / 1.26, A 9.51 / 9.11; the former 128x256 s4 (C 1.00 / 1.18, D 1.32 / 1.38, A 8.27 /
-        # 9.52) and s3 never beat these. 128x128 tiles 25-35 % slower (earlier sessions)
+    elif kind == "dw":  # the gathered operand on A's side (dW_gate, dW_up computed transposed). H100, 2026-11-21
+        # (eighth session), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
+        # s5 C 0.96 / 0.97, D 1.10 / 1.13, A 7.46 / 8.11 (7 and 5 stages hold 4 and 3 tile buffers: the gathered
+        # rows' indices take a stage). 256x128 (s3 with the rows in registers, s7) 9-26 % slower on both; 128x128
+        # tiles 25-35 % slower (earlier sessions)
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=7),
-                KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5),
-                KernelConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tok_ahead=1)]
+                KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5)]
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
     if kind in ("dh", "dh_recompute"):

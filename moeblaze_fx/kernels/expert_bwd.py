@@ -22,7 +22,7 @@ Data flow (six launches + one small reduction, plus one small launch per bias)::
     dweights = partials.sum(0)                                          (fixed order: deterministic)
     _expert_dw_kernel   dW_down[e]    = sum_{s in e} dy[tok_s].T (w*H)[s]  (dy gathered, slots = contraction)
     _expert_down_kernel dX[s]         = dA[s] @ W_gate[e] + dB[s] @ W_up[e]  (row tiles; two K loops, one acc)
-    _expert_dw_kernel   dW_gate[e]    = sum_{s in e} dA[s].T x[tok_s]      (x gathered); dW_up likewise from dB
+    _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order)
 
@@ -294,8 +294,8 @@ def _token_rows(token_index_ptr, s, seg_hi, K, IDX: tl.constexpr):
 })
 @triton.jit
 def _expert_dw_kernel(
-    a_ptr,  # GATHER_A: [T, m_dim] read at row token(s) (dy); else [slot1 - slot0, m_dim], the window's slots (dA, dB)
-    b_ptr,  # GATHER_B: [T, n_dim] read at row token(s) (x);  else [slot1 - slot0, n_dim], the window's slots (w*H)
+    a_ptr,  # [T, m_dim], read at row token(s): dy (dW_down) or x (dW_gate, dW_up)
+    b_ptr,  # [slot1 - slot0, n_dim]: the window's slots of w*H (dW_down) or dA, dB (dW_gate, dW_up)
     out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), x.dtype or fp32 (OUT_FP32)
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
@@ -305,7 +305,6 @@ def _expert_dw_kernel(
     stride_a_r, stride_a_m,
     stride_b_r, stride_b_n,
     stride_o_m, stride_o_n,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
     OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
     MAY_ADD: tl.constexpr,  # ACCUMULATE or slot0 > 0: some program may start from C (else no C load at all)
     TMA: tl.constexpr,  # the slot-ordered operand through a tensor descriptor bounded by the expert's segment
@@ -313,14 +312,19 @@ def _expert_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
-    TOK_AHEAD: tl.constexpr = False,  # gathered rows: a register prefetch one chunk ahead (see below)
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
-    the contraction running over that expert's slots inside the window BLOCK_K at a time (full chunks
-    unmasked, then one masked tail). An expert whose slots start in this window (or an expert with no slots
-    placed here) gets dW[e] = contribution (zeros for no slots); one whose slots started in an earlier
-    window gets dW[e] + contribution (loaded in its dtype, summed in fp32); the rest are not touched. With
-    ACCUMULATE every expert with slots in the window gets dW[e] + contribution, the others are not touched."""
+    dW[e] = sum over e's slots s in the window of a[token(s)].T @ b[s], the contraction running over the
+    slots BLOCK_K at a time (full chunks unmasked, then one masked tail). An expert whose slots start in this
+    window (or an expert with no slots placed here) gets dW[e] = contribution (zeros for no slots); one whose
+    slots started in an earlier window gets dW[e] + contribution (loaded in its dtype, summed in fp32); the
+    rest are not touched. With ACCUMULATE every expert with slots in the window gets dW[e] + contribution,
+    the others are not touched.
+
+    The gathered operand is always A (tokens' columns along the tile's rows) and the slot-ordered one B:
+    a weight gradient whose natural form has the gathered operand on the right (dW_gate = dA.T @ x[tok]) is
+    computed transposed, through a transposed output table. With the gathered operand on the right instead, the
+    same tiles ran 6-12 % slower (H100, raw launches, benchmarks/RESULTS.md, eighth session)."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
@@ -372,78 +376,38 @@ def _expert_dw_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     IDX: tl.constexpr = tl.int32 if ROWS32 else tl.int64
-    GATHER: tl.constexpr = GATHER_A or GATHER_B
-    # Token rows of the gathered operand. TOK_AHEAD: loaded one chunk ahead into registers (a loop-carried
-    # prefetch); the pipeliner then reloads them in the iteration that issues the tile copy needing them, so
-    # every iteration waits on that load (TTGIR, sm_90). Otherwise loaded in the chunk's own iteration: the
-    # pipeliner treats that as an indirect load, copying the rows into shared memory asynchronously a stage
-    # before the tile copy; that costs a stage (num_stages 5 keeps the three tile buffers that 3 gave).
-    # Slot-ordered operands hold the window's rows: row = slot - slot0.
+    # The token rows are loaded in the chunk's own iteration: the pipeliner treats that as an indirect load
+    # and copies them into shared memory a stage ahead of the tile copy needing them (a stage more: 5 stages
+    # hold 3 tile buffers). A register prefetch one chunk ahead is worse: the pipeliner re-issues it in the
+    # iteration of the copy that needs it, which then waits on it (TTGIR, sm_90; RESULTS.md, seventh session).
+    # Slot-ordered rows are the window's: row = slot - slot0.
     s = seg_lo + offs_s
-    if TOK_AHEAD and GATHER:
-        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     if TMA:
         # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
         # a program with nothing to load still builds a valid descriptor.
-        seg_rows = tl.maximum(seg_hi - seg_lo, 1)
-        if GATHER_A:
-            slot_desc = tl.make_tensor_descriptor(b_ptr + (seg_lo - slot0).to(tl.int64) * stride_b_r,
-                                                  shape=[seg_rows, n_dim], strides=[stride_b_r, 1],
-                                                  block_shape=[BLOCK_K, BLOCK_N])
-        else:
-            slot_desc = tl.make_tensor_descriptor(a_ptr + (seg_lo - slot0).to(tl.int64) * stride_a_r,
-                                                  shape=[seg_rows, m_dim], strides=[stride_a_r, 1],
-                                                  block_shape=[BLOCK_K, BLOCK_M])
+        slot_desc = tl.make_tensor_descriptor(b_ptr + (seg_lo - slot0).to(tl.int64) * stride_b_r,
+                                              shape=[tl.maximum(seg_hi - seg_lo, 1), n_dim], strides=[stride_b_r, 1],
+                                              block_shape=[BLOCK_K, BLOCK_N])
     for i in range(0, n_full):
-        s_next = s + BLOCK_K
-        if GATHER:
-            if TOK_AHEAD:
-                tok_next = _token_rows(token_index_ptr, s_next, seg_hi, K, IDX)
-            else:
-                tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
-        if GATHER_A:
-            ra = tok
-        else:
-            ra = (s - slot0).to(IDX)
-        if GATHER_B:
-            rb = tok
-        else:
-            rb = (s - slot0).to(IDX)
-        if TMA and not GATHER_A:
-            a = slot_desc.load([i * BLOCK_K, pid_m * BLOCK_M]).T
-        else:
-            a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
-        if TMA and GATHER_A:
+        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
+        a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
+        if TMA:
             b = slot_desc.load([i * BLOCK_K, pid_n * BLOCK_N])
         else:
-            b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)  # [BLOCK_K, BLOCK_N]
+            b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        s = s_next
-        if TOK_AHEAD and GATHER:
-            tok = tok_next
-    if GATHER and not TOK_AHEAD:
-        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
+        s += BLOCK_K
     if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots
         s_mask = s < seg_hi
-        s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
-        if GATHER_A:
-            ra = tok
-        else:
-            ra = s_ld
-        if GATHER_B:
-            rb = tok
-        else:
-            rb = s_ld
-        if TMA and not GATHER_A:
-            a = slot_desc.load([n_full * BLOCK_K, pid_m * BLOCK_M]).T
-        else:
-            a = tl.load(a_ptr + ra[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
-                        other=0.0)
-        if TMA and GATHER_A:
+        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
+        a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
+                    other=0.0)
+        if TMA:
             b = slot_desc.load([n_full * BLOCK_K, pid_n * BLOCK_N])
         else:
-            b = tl.load(b_ptr + rb[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
+            s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
+            b = tl.load(b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
                         other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
@@ -509,8 +473,8 @@ def _expert_bias_grad_kernel(
 
 _expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
 _expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
-_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "GATHER_A", "TMA"])
-# Keys (m_dim, n_dim, gather_a, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
+_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA"])
+# Keys (m_dim, n_dim, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
 _DW_TUNED_KEYS: set[tuple] = set()
 
@@ -527,32 +491,37 @@ def _dw_tma(slots: Tensor) -> bool:
     return tma_available(slots.device)
 
 
-def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: DispatchPlan, K: int,
+def _transposed(t: WeightTable) -> WeightTable:
+    """The same E matrices read as their transposes."""
+    return t._replace(rows=t.cols, cols=t.rows, stride_r=t.stride_c, stride_c=t.stride_r)
+
+
+def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
                  accumulate: bool, window: tuple[int, int, int]) -> None:
-    """dW[e] (+)= sum over e's slots in the window of a[row].T @ b[row], written through the table ``out``;
-    rows are tokens (gathered) or the window's slots. ``window`` = (slot0, slot1, own_end): see the kernel."""
+    """dW[e] (+)= sum over e's slots s in the window of tokens[token(s)].T @ slots[s - slot0], written through
+    the table ``out`` ([tokens' columns, slots' columns]). ``window`` = (slot0, slot1, own_end): see the kernel."""
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
-    out_fp32 = out.dtype == torch.float32 and a.dtype != torch.float32
+    out_fp32 = out.dtype == torch.float32 and tokens.dtype != torch.float32
 
     def grid(meta):
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
-    tma = _dw_tma(b if gather_a else a)
+    tma = _dw_tma(slots)
 
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
-            a, b, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), table.stride_r, table.stride_c,
-            GATHER_A=gather_a, GATHER_B=not gather_a, OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
-            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(a.dtype),
+            tokens, slots, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
+            tokens.stride(0), tokens.stride(1), slots.stride(0), slots.stride(1), table.stride_r, table.stride_c,
+            OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
+            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype),
         )
 
-    # At least as fine as the autotuner's key (m_dim, n_dim, GATHER_A, TMA and the operand dtypes): a key
-    # coarser than the tuner's would let an adding launch be the first of a new tuner key, and be timed.
-    key = (m_dim, n_dim, gather_a, tma, a.dtype, b.dtype, out.dtype)
+    # At least as fine as the autotuner's key (m_dim, n_dim, TMA and the operand dtypes): a key coarser than
+    # the tuner's would let an adding launch be the first of a new tuner key, and be timed.
+    key = (m_dim, n_dim, tma, tokens.dtype, slots.dtype, out.dtype)
     adds = accumulate or window[0] > 0  # windows after the first add onto experts started earlier
     if adds and autotune.autotuning() and key not in _DW_TUNED_KEYS:
         # The autotuner runs a kernel many times while timing it: an accumulating launch would add its
@@ -560,8 +529,8 @@ def _weight_grad(a: Tensor, b: Tensor, gather_a: bool, out: WeightTable, plan: D
         # [m, n] buffer with the real table's strides: garbage, never read); ACCUMULATE and the window are
         # not part of the tuning key, so the real launch below reuses the chosen configuration untimed.
         scratch = torch.empty(((m_dim - 1) * out.stride_r + (n_dim - 1) * out.stride_c + 1,), dtype=out.dtype,
-                              device=a.device)
-        ptrs = torch.full((E,), scratch.data_ptr(), dtype=torch.int64, device=a.device)
+                              device=tokens.device)
+        ptrs = torch.full((E,), scratch.data_ptr(), dtype=torch.int64, device=tokens.device)
         go(out._replace(ptrs=ptrs), False)
         del scratch
     _DW_TUNED_KEYS.add(key)
@@ -694,7 +663,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             )
             del pre  # may alias dpre: it must not outlive the window
         if not skip:
-            _weight_grad(grad_y, hw, True, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
+            _weight_grad(grad_y, hw, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
         del hw
         if busy:
             dx_slots = x.new_empty((n, d))
@@ -703,9 +672,10 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                          (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
                          table_align(w.gate, w.up), d, plan, dx_slots, None, win)
         if not skip:
-            _weight_grad(dpre[:, :h], x, False, grads.gate, plan, K, accumulate, dw_window)  # [E, h, d]
+            # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
+            _weight_grad(x, dpre[:, :h], _transposed(grads.gate), plan, K, accumulate, dw_window)
             if act.gated:
-                _weight_grad(dpre[:, h:], x, False, grads.up, plan, K, accumulate, dw_window)  # [E, h, d]
+                _weight_grad(x, dpre[:, h:], _transposed(grads.up), plan, K, accumulate, dw_window)
         if gate_bias is not None:
             d_gate_bias += _bias_grad(dpre[:, :h], False, None, plan, K, E, window=(s0, s1))
         if up_bias is not None:

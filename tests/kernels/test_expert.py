@@ -386,8 +386,9 @@ def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
     case = make_case(21, 16, 6, 3, 2, act="swiglu", ids_mode="empty_expert", seed=3)
     before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(2)) for s in case["storage"]]
     check_against_reference(case, "activations", tol=1e-5, grads=[b.clone() for b in before], accumulate=True)
-    gate_up_keys = {k for k in expert_bwd._DW_TUNED_KEYS if k[:3] == (6, 16, False)}
-    assert {k[3] for k in gate_up_keys} == {True, False}
+    # keys (m_dim, n_dim, TMA, dtypes...): dW_gate and dW_up run transposed, [d, h] = [16, 6]
+    gate_up_keys = {k for k in expert_bwd._DW_TUNED_KEYS if k[:2] == (16, 6)}
+    assert {k[2] for k in gate_up_keys} == {True, False}
 
 
 @pytest.mark.parametrize("layout", ["dense", "transposed", "list"])
@@ -507,10 +508,8 @@ def test_deterministic_under_interpreter():
 
 def test_pinned_config(monkeypatch):
     # MOEBLAZE_KERNEL_CONFIG pins one configuration: plan_block_m follows it, and results still match.
-    # split_n=2: the dh kernel's two side-by-side tiles; tok_ahead=1: the dW kernel's gathered rows prefetched
-    # into registers (the interpreter default runs split_n=1 and the pipelined rows).
-    monkeypatch.setenv(autotune.ENV_VAR,
-                       "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,split_n=2,tok_ahead=1")
+    # split_n=2: the dh kernel's two side-by-side tiles (the interpreter default runs split_n=1).
+    monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,split_n=2")
     assert plan_block_m() == 32
     case = make_case(45, 40, 36, 3, 2, ids_mode="empty_expert", seed=13)  # h=36: a half-empty second tile
     check_against_reference(case, "activations", tol=1e-5)
@@ -569,7 +568,7 @@ def test_table_align_is_the_largest_proven_power_of_two():
         assert table_align(WeightTable(*base)) == 1
 
 
-@pytest.mark.parametrize("spec", ["block_m=12", "block_m", "blockm=16", "block_n=x", "split_n=3", "tok_ahead=2"])
+@pytest.mark.parametrize("spec", ["block_m=12", "block_m", "blockm=16", "block_n=x", "split_n=3", "tok_ahead=1"])
 def test_pinned_config_rejects_bad_specs(monkeypatch, spec):
     monkeypatch.setenv(autotune.ENV_VAR, spec)
     with pytest.raises(ValueError, match=autotune.ENV_VAR):
