@@ -80,6 +80,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--profile", action="store_true",
                    help="then one step per value under torch.profiler: device time per kernel name")
+    p.add_argument("--top", type=int, default=14, help="kernel names printed per value with --profile")
     p.add_argument("--commit", default=os.environ.get("MOEBLAZE_COMMIT", "unknown"))
     args = p.parse_args()
     os.makedirs(args.outdir, exist_ok=True)
@@ -114,7 +115,7 @@ def main() -> int:
                 for v in values:
                     os.environ[args.var] = v
                     row["kernels"][v] = kernel_times(lambda: _grads(layer, inputs, 0), dev)
-                print_kernels(row["kernels"])
+                print_kernels(row["kernels"], args.top)
             rows.append(row)
             print(f"{cfg.name} {prov}: " + ", ".join(f"{args.var}={v}: {', '.join(f'{t:.2f}' for t in ts)} ms "
                                                      f"(host {', '.join(f'{t:.2f}' for t in host[v])})"
