@@ -559,10 +559,15 @@ def _setup_context(ctx, inputs, output):
     ctx.layout, ctx.activation, ctx.chunk_tokens = layout, activation, chunk_tokens
     ctx.save_for_backward(x, ids, weights, preact, *params)
     ctx.mark_non_differentiable(preact)
+    # preact never gets a gradient: left to the default, autograd would hand backward a zero-filled [T*K, 2h]
+    # for it (at config A of BENCHMARKS.md, 4.3 GB written in every backward, and held through it)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, _grad_preact):
     x, ids, weights, preact, *params = ctx.saved_tensors
+    if grad_y is None:  # y did not reach what is differentiated (gradients are not materialized: see above)
+        grad_y = x.new_zeros(x.shape)
     dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
         grad_y, x, ids, weights, params, ctx.layout, preact, ctx.activation, ctx.chunk_tokens)
     E, views = decode_layout(ctx.layout)

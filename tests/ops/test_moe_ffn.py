@@ -1,6 +1,7 @@
 """The operator: numerics against the reference (output and every gradient), memory policy, errors."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeblaze_fx
 from moeblaze_fx.kernels.reference import ExpertParams, moe_ffn_reference, split_gate_up
@@ -132,6 +133,56 @@ def test_memory_policy_saves_no_routed_copy(checkpoint, preact_saved):
     expected = T * d * 4 + T * K * (8 + 4) + (T * K * 2 * h * 4 if preact_saved else 0)
     assert activation_bytes == expected
     assert len([s for s in shapes if s in ((E, 2 * h, d), (E, d, h))]) == 2  # the parameters, not copies
+
+
+class _ZeroFills(TorchDispatchMode):
+    """Records the shapes of the zero-filled tensors the ops under it produce."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.new_zeros,
+                                   torch.ops.aten.zero_, torch.ops.aten.fill_) and isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+def test_backward_gets_no_zero_filled_preact_gradient(checkpoint):
+    # The saved pre-activations are an output with no gradient: autograd must not hand backward a zero-filled
+    # [T*K, 2h] for them (at config A, 4.3 GB written per step).
+    T, d, h, E, K = 32, 16, 24, 4, 2
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+    y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint)
+    with _ZeroFills() as fills:
+        got = torch.autograd.grad(y, (x, w, wgu, wd), torch.ones_like(y))
+    assert (T * K, 2 * h) not in fills.shapes
+    want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, w, wgu, wd), torch.ones_like(y))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+class _NoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_backward_with_no_gradient_for_y():
+    # A consumer of y that returns no gradient: backward still runs (x has another path to the loss) and gives
+    # zeros, not an error.
+    x, ids, w, wgu, wd = _inputs(12, 8, 6, 4, 2, dtype=torch.float32)
+    y = moe_ffn(x, ids, w, (wgu, wd))
+    dx, dw, dwgu, dwd = torch.autograd.grad(_NoGrad.apply(y).sum() + x.sum(), (x, w, wgu, wd))
+    assert torch.equal(dx, torch.ones_like(x))
+    assert not dw.any() and not dwgu.any() and not dwd.any()
 
 
 @pytest.mark.parametrize(
