@@ -125,7 +125,12 @@ def main() -> int:
         del inputs
         free_memory(dev)
     os.environ.pop(args.var, None)
-    result = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+    from moeblaze_fx.kernels import autotune
+    chosen = sorted({(getattr(k[0], "fn", k[0]).__name__, str(k[1]), str(v)) for k, v in autotune._CHOSEN.items()})
+    print("autotuned choices (kernel, key, config):")
+    for c in chosen:
+        print("  ", *c)
+    result = dict(chosen=chosen, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
                   triton=__import__("triton").__version__, commit=args.commit,
                   date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t_start, 1), rows=rows)
     with open(os.path.join(args.outdir, "ab.json"), "w") as f:
