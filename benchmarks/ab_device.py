@@ -126,7 +126,12 @@ def main() -> int:
         free_memory(dev)
     os.environ.pop(args.var, None)
     from moeblaze_fx.kernels import autotune
-    chosen = sorted({(getattr(k[0], "fn", k[0]).__name__, str(k[1]), str(v)) for k, v in autotune._CHOSEN.items()})
+
+    def name(k):
+        while hasattr(k, "fn"):
+            k = k.fn
+        return getattr(k, "__name__", str(k))
+    chosen = sorted({(name(k[0]), str(k[1]), str(v)) for k, v in autotune._CHOSEN.items()})
     print("autotuned choices (kernel, key, config):")
     for c in chosen:
         print("  ", *c)
