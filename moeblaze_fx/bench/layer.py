@@ -22,7 +22,8 @@ Providers:
   projections, scale, inverse permutation, sum over K. Where ``torch._grouped_mm`` cannot run (the CPU,
   GPUs before sm80, or a failed probe) the two grouped products become a per-expert matmul over the same
   sorted rows, and the row says so;
-* ``hf-grouped-mm-compiled``: the same under default ``torch.compile``;
+* ``hf-grouped-mm-compiled``: the same under default ``torch.compile``, compiled afresh for every shape
+  (Dynamo is reset before each configuration, so no shape runs a dynamic-shape recompile);
 * ``liger``: Liger-Kernel's fused MoE (``liger_kernel.ops.fused_moe.LigerFusedMoEFunction``) when
   ``liger-kernel`` is importable and the device is CUDA.
 
@@ -824,6 +825,11 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
     rows = []
     inputs = ref = None
     setup_status, setup_note = "ok", ""
+    # Every shape compiles afresh, with static shapes, as a model trained at one shape would. Without this a
+    # compiled provider's second shape is a recompile, for which Dynamo makes the changed sizes dynamic
+    # ("automatic dynamic shapes"), and every later shape runs those generic kernels (H100, config C: 15.4 ms
+    # after A and B had run, 10.0 ms compiled first; benchmarks/RESULTS.md, eighth session).
+    torch._dynamo.reset()
     try:
         inputs = make_inputs(cfg, device, dtype, seed)
         if check and (check_max_tokens is None or cfg.T <= check_max_tokens):

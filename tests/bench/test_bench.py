@@ -75,6 +75,30 @@ def test_hf_grouped_mm_path_with_torch_grouped_mm():
     assert all(r["max_rel_err"] < 1e-5 for r in rows), rows
 
 
+def test_every_shape_compiles_afresh_with_static_shapes():
+    # A compiled provider's later shapes must not run Dynamo's dynamic-shape recompile of the first one: each
+    # configuration starts from a reset Dynamo, so each graph it compiles has static sizes.
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+                      + [t for t in example_inputs if isinstance(t, torch.SymInt)])
+        return gm.forward
+
+    def build(device, dtype):
+        return torch.compile(layer.loop_layer, backend=backend), ""
+
+    table = {"compiled": Provider("compiled", "loop layer, recording backend", build)}
+    rows = _bench([LayerConfig("first", 12, 8, 6, 3, 2), LayerConfig("second", 20, 8, 6, 3, 2),
+                   LayerConfig("third", 28, 8, 6, 3, 2)], provider_table=table, check=False).rows
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok"], rows
+    assert graphs, "the recording backend never ran"
+    dynamic = [g for g in graphs if any(isinstance(v, torch.SymInt) or any(isinstance(n, torch.SymInt) for n in v)
+                                        for v in g)]
+    assert not dynamic, dynamic
+    assert {12, 20, 28} <= {v[0] for g in graphs for v in g if isinstance(v, tuple) and v}
+
+
 def test_a_wrong_provider_shows_in_the_error_column():
     # Experts with gate and up swapped: silu(up) * gate. The check must catch it.
     def swapped(x, w_router, w_gate_up, w_down, K):
