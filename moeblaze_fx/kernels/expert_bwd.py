@@ -324,7 +324,7 @@ def _expert_dw_kernel(
     The gathered operand is always A (tokens' columns along the tile's rows) and the slot-ordered one B:
     a weight gradient whose natural form has the gathered operand on the right (dW_gate = dA.T @ x[tok]) is
     computed transposed, through a transposed output table. With the gathered operand on the right instead, the
-    same tiles ran 6-12 % slower (H100, raw launches, benchmarks/RESULTS.md, eighth session)."""
+    best tile of that form ran 6-11 % slower (H100, raw launches, benchmarks/RESULTS.md, eighth session)."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
