@@ -669,6 +669,56 @@ def micro(result, name="A") -> None:
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             log(f"micro {rows[-1]}")
+    if "dhsplit" in MICRO_KERNELS:
+        # dh in one launch (PHASE 0, the tuned candidates) against its GEMM (PHASE 1: dH' into hw) followed by
+        # its epilogue (PHASE 2: dH' read back from hw); outputs compared with the first PHASE 0 variant
+        part_ref = torch.zeros_like(part)
+
+        def dh_launch(phase, bn, bk, nw, ns, split, gm, out_part):
+            grid = (num_tiles * triton.cdiv(h, bn * split),)
+            expert_bwd._expert_dh_kernel[grid](
+                gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, out_part, plan.token_index, off,
+                plan.tile_expert, plan.tile_start, tile0, num_tiles, num_tiles, 0, N, d, h, K, gy.stride(0),
+                gy.stride(1), x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r, u_t.stride_c,
+                d_t.stride_r, d_t.stride_c, w.stride(0), w.stride(1), preact.stride(0), preact.stride(1),
+                dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1), out_part.stride(0), 1.0, 0.0,
+                ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
+                W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
+                SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
+                num_stages=ns, PHASE=phase)
+
+        ref = None
+        for v in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8)]:
+            try:
+                ms = bench(lambda: dh_launch(0, *v, part_ref), warmup=50, rep=200)
+                if ref is None:
+                    ref = (dpre.clone(), hw.clone(), part_ref[:h // 64].sum(0))
+                rows.append(dict(kernel="dh", variant=str(v), phase=0, ms=ms, tflops=2 * N * d * h / ms / 1e9))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(kernel="dh", variant=str(v), phase=0, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            log(f"micro {rows[-1]}")
+        act_v = (64, 64, 8, 1, 2, 8)
+        for v in [(256, 64, 8, 3, 1, 8), (128, 64, 8, 4, 2, 8)]:
+            try:
+                ms1 = bench(lambda: dh_launch(1, *v, part), warmup=50, rep=200)
+                dh_launch(1, *v, part)
+                ms2 = bench(lambda: dh_launch(2, *act_v, part), warmup=0, rep=1)  # overwrites hw: timed below
+
+                def both():
+                    dh_launch(1, *v, part)
+                    dh_launch(2, *act_v, part)
+                ms12 = bench(both, warmup=20, rep=100)
+                both()
+                errs = {}
+                if ref is not None:
+                    for nm, got, want in (("dpre", dpre, ref[0]), ("hw", hw, ref[1]), ("dweights", part[:h // 64].sum(0), ref[2])):
+                        errs[nm] = float((got.float() - want.float()).norm() / want.float().norm())
+                rows.append(dict(kernel="dh split", variant=str(v), gemm_ms=ms1, gemm_tflops=2 * N * d * h / ms1 / 1e9,
+                                 act_ms_single_run=ms2, both_ms=ms12, both_tflops=2 * N * d * h / ms12 / 1e9,
+                                 rel_diff_to_phase0=errs))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(kernel="dh split", variant=str(v), error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            log(f"micro {rows[-1]}")
     for r in rows:
         r["config"] = name
     result.setdefault("micro", []).extend(rows)

@@ -9,12 +9,16 @@ candidate configurations of each kind, and :func:`launch` is the single place th
 * under ``TRITON_INTERPRET=1`` without a pin: :data:`INTERPRETER_CONFIG` (tiny tiles, no benchmarking).
 * otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes; after the first launch of
   a key, :func:`launch` calls the kernel with the tuner's choice directly (``MOEBLAZE_LEAN_LAUNCH=0``: never).
+  A kind with one candidate is launched with it directly, never through the tuner (``dh_act`` must be: it
+  overwrites its input).
 
 Kinds, and what ``block_m/n/k`` mean for each:
 
 ``up``           up projection (forward) over the plan's row tiles: rows x (h columns, gate and up each) x d
 ``dh``           backward dH' (A|B read from the saved preact) over row tiles: rows x h x d
 ``dh_recompute`` the same kernel recomputing A|B: three accumulators (gated), so a narrower tile
+``dh_gemm``      the dh kernel split in two (large h): its GEMM alone, dH' stored (rows x h x d)
+``dh_act``       ... and its epilogue alone, dH' read back (rows x h; block_k unused)
 ``down``         row-tile GEMM (forward down projection, backward dX = dA W_gate + dB W_up): rows x d x (h or 2 x h)
 ``dw``           per-expert weight gradient, contraction over the expert's slots: out rows x out cols x slots
 
@@ -55,7 +59,7 @@ DEFAULT_BLOCK_M = 128
 # the routing-weight gradient is reduced in chunks of this many hidden columns.
 _DWEIGHTS_CHUNK = 64
 
-_TILE_KINDS = ("up", "dh", "dh_recompute", "down")
+_TILE_KINDS = ("up", "dh", "dh_recompute", "dh_gemm", "dh_act", "down")
 KINDS = _TILE_KINDS + ("dw",)
 
 
@@ -71,7 +75,7 @@ class KernelConfig:
 
     def meta(self, kind: str) -> dict[str, int]:
         """The constexpr meta-parameters this config sets for kernels of ``kind``."""
-        if kind == "dh":
+        if kind in ("dh", "dh_gemm", "dh_act"):
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m, "SPLIT_N": self.split_n}
         if kind == "dh_recompute":  # three accumulators already: never split
             return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m, "SPLIT_N": 1}
@@ -160,6 +164,11 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_recompute":  # three accumulators: dH', A, B (170-175 registers, no spills)
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=64, block_k=32, num_warps=8, num_stages=4)]
+    elif kind == "dh_gemm":  # the GEMM alone: no epilogue registers, so the 256-wide tiles of up and down fit
+        cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
+                KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_n=2)]
+    elif kind == "dh_act":  # memory-bound: one configuration, no tuning
+        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=1, split_n=2)]
     elif kind == "down":  # H100, 2026-11-21, pointer loads, dX ms: C 1.65 / 1.60 / 2.06, D 2.06 / 2.03 / 2.52
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),
@@ -173,7 +182,7 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
                 KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5)]
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
-    if kind in ("dh", "dh_recompute"):
+    if kind in ("dh", "dh_recompute", "dh_gemm", "dh_act"):
         assert all(c.block_n % _DWEIGHTS_CHUNK == 0 and c.block_n * c.split_n <= 256 for c in cfgs)
     return cfgs
 
@@ -210,6 +219,10 @@ def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
 
     ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
     cfg = _fixed_config()
+    if cfg is None:
+        candidates = kernel_configs(kind)
+        if len(candidates) == 1:  # nothing to choose: never through the tuner, which may run a launch many times
+            cfg = candidates[0]
     if cfg is not None:
         return kernel[grid](*args, **constexprs, **cfg.meta(kind), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if os.environ.get("MOEBLAZE_LEAN_LAUNCH", "1") == "0":

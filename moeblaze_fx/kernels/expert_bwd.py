@@ -138,6 +138,21 @@ def _dh_epilogue(
         tl.store(part_ptrs + j * stride_part_c, tl.zeros_like(part), mask=row_mask)
 
 
+@triton.jit
+def _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """(pointers, mask) of hidden columns [col0, col0 + BLOCK_N) of rows [first, end) of the tile starting at slot
+    ``start`` in the window's [slot1 - slot0, h] buffer ``hw``: where the split dh phases pass dH' (PHASE 1, 2)."""
+    local = tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask = ((local >= first - start) & (local < end - start))[:, None]
+    if not EVEN_N:
+        mask = mask & (offs_n < h)[None, :]
+    ptrs = hw_ptr + (start - slot0).to(tl.int64) * stride_hw_s + (local[:, None] * stride_hw_s
+                                                                  + offs_n[None, :] * stride_hw_n)
+    return ptrs, mask
+
+
 @triton.heuristics({
     "EVEN_K": lambda a: a["d"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["h"] % (a["BLOCK_N"] * a["SPLIT_N"]) == 0,
@@ -182,12 +197,18 @@ def _expert_dh_kernel(
     SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    PHASE: tl.constexpr = 0,  # 0: GEMM and epilogue; 1: the GEMM only; 2: the epilogue only (see below)
 ):
     """grid = (num_tiles * cdiv(h, SPLIT_N * BLOCK_N),), over the row tiles of the slot window [slot0, slot1):
     SPLIT_N side-by-side BLOCK_M x BLOCK_N tiles of dH' per program (SPLIT_N = 2: a 128-wide tile for the
     GEMM, whose epilogue runs 64 columns at a time so its registers fit), or one tile of dH', A and B
-    (RECOMPUTE, SPLIT_N = 1)."""
+    (RECOMPUTE, SPLIT_N = 1).
+
+    Split in two launches (not RECOMPUTE): PHASE 1 stores dH' (x.dtype) into hw and stops, so its tile is not
+    bound by the epilogue's registers; PHASE 2 reads dH' back from hw instead of multiplying and runs the
+    epilogue, which overwrites it with w * H (each element read and written by the same program)."""
     tl.static_assert(SPLIT_N == 1 or (SPLIT_N == 2 and not RECOMPUTE))
+    tl.static_assert(PHASE == 0 or not RECOMPUTE)
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, SPLIT_N * BLOCK_N), GROUP_M)
     e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
@@ -223,43 +244,62 @@ def _expert_dh_kernel(
     acc_dh1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, d, BLOCK_K):
-        if EVEN_K:
-            g = tl.load(g_ptrs)
-            wd0 = tl.load(wd0_ptrs)
-        else:
-            k_mask = offs_k < d - k0
-            g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-            wd0 = tl.load(wd0_ptrs, mask=k_mask[:, None], other=0.0)
-        acc_dh0 = tl.dot(g, wd0, acc_dh0, input_precision=DOT_PRECISION)
-        g_ptrs += BLOCK_K * stride_g_d
-        wd0_ptrs += BLOCK_K * stride_wd_d
-        if SPLIT_N == 2:
+    if PHASE != 2:  # PHASE 2 reads dH' instead
+        for k0 in range(0, d, BLOCK_K):
             if EVEN_K:
-                wd1 = tl.load(wd1_ptrs)
+                g = tl.load(g_ptrs)
+                wd0 = tl.load(wd0_ptrs)
             else:
-                wd1 = tl.load(wd1_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_dh1 = tl.dot(g, wd1, acc_dh1, input_precision=DOT_PRECISION)
-            wd1_ptrs += BLOCK_K * stride_wd_d
-        if RECOMPUTE:
-            if EVEN_K:
-                xa = tl.load(x_ptrs)
-                wg = tl.load(wg_ptrs)
+                k_mask = offs_k < d - k0
+                g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
+                wd0 = tl.load(wd0_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_dh0 = tl.dot(g, wd0, acc_dh0, input_precision=DOT_PRECISION)
+            g_ptrs += BLOCK_K * stride_g_d
+            wd0_ptrs += BLOCK_K * stride_wd_d
+            if SPLIT_N == 2:
+                if EVEN_K:
+                    wd1 = tl.load(wd1_ptrs)
+                else:
+                    wd1 = tl.load(wd1_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_dh1 = tl.dot(g, wd1, acc_dh1, input_precision=DOT_PRECISION)
+                wd1_ptrs += BLOCK_K * stride_wd_d
+            if RECOMPUTE:
+                if EVEN_K:
+                    xa = tl.load(x_ptrs)
+                    wg = tl.load(wg_ptrs)
+                    if GATED:
+                        wu = tl.load(wu_ptrs)
+                else:
+                    xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+                    wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                    if GATED:
+                        wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
                 if GATED:
-                    wu = tl.load(wu_ptrs)
-            else:
-                xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                    acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
+                x_ptrs += BLOCK_K * stride_x_d
+                wg_ptrs += BLOCK_K * stride_wg_d
                 if GATED:
-                    wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
-            if GATED:
-                acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K * stride_x_d
-            wg_ptrs += BLOCK_K * stride_wg_d
-            if GATED:
-                wu_ptrs += BLOCK_K * stride_wu_d
+                    wu_ptrs += BLOCK_K * stride_wu_d
 
+    if PHASE == 1:
+        io_ty = hw_ptr.dtype.element_ty
+        ptrs, mask = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N,
+                              EVEN_N)
+        tl.store(ptrs, acc_dh0.to(io_ty), mask=mask)
+        if SPLIT_N == 2:
+            ptrs, mask = _dh_tile(hw_ptr, col0 + BLOCK_N, start, first, end, slot0, h, stride_hw_s, stride_hw_n,
+                                  BLOCK_M, BLOCK_N, EVEN_N)
+            tl.store(ptrs, acc_dh1.to(io_ty), mask=mask)
+        return
+    if PHASE == 2:  # both tiles read before the epilogues overwrite them
+        ptrs, mask = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N,
+                              EVEN_N)
+        acc_dh0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if SPLIT_N == 2:
+            ptrs, mask = _dh_tile(hw_ptr, col0 + BLOCK_N, start, first, end, slot0, h, stride_hw_s, stride_hw_n,
+                                  BLOCK_M, BLOCK_N, EVEN_N)
+            acc_dh1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if RECOMPUTE:  # the biases enter A|B before rounding, as in the forward
         if HAS_GATE_BIAS:
             acc_a += tl.load(gate_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
@@ -473,6 +513,18 @@ def _expert_bias_grad_kernel(
 
 _expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
 _expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
+_expert_dh_gemm_tuned = autotune.tuned(_expert_dh_kernel, "dh_gemm", key=["d", "h", "ACT"])
+_expert_dh_act_tuned = autotune.tuned(_expert_dh_kernel, "dh_act", key=["d", "h", "ACT"])
+
+# The dh kernel runs as two launches (its GEMM, then its epilogue; "activations" policy only) when h is at
+# least this: the GEMM alone takes the wide tiles that the epilogue's registers rule out, for one more round
+# trip of dH' through memory (written and read back in x.dtype, in the w*H buffer).
+DH_SPLIT_MIN_H = 4096
+
+
+def split_dh(d: int, h: int) -> bool:
+    """Whether the dh kernel runs split (see DH_SPLIT_MIN_H)."""
+    return h >= DH_SPLIT_MIN_H
 _expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA"])
 # Keys (m_dim, n_dim, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
@@ -642,25 +694,32 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 assert width_n <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
                 return (num_tiles * triton.cdiv(h, width_n),)
 
-            autotune.launch(
-                _expert_dh_kernel, _expert_dh_recompute_tuned if recompute else _expert_dh_tuned,
-                "dh_recompute" if recompute else "dh", grid,
-                grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
-                gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
-                weights, pre, dpre, hw, part[bias_rows:],
-                plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
-                win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
-                grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
-                w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
-                weights.stride(0), weights.stride(1),
-                pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
-                part.stride(0),
-                float(act.alpha), float(act.limit),
-                ACT=ACT_CODES[act.name], GATED=act.gated,
-                HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-                RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-            )
+            if recompute:
+                phases = [(_expert_dh_recompute_tuned, "dh_recompute", 0)]
+            elif split_dh(d, h):
+                phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
+            else:
+                phases = [(_expert_dh_tuned, "dh", 0)]
+            for tuned_kernel, kind, phase in phases:
+                autotune.launch(
+                    _expert_dh_kernel, tuned_kernel, kind, grid,
+                    grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
+                    gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+                    weights, pre, dpre, hw, part[bias_rows:],
+                    plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
+                    win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
+                    grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
+                    w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
+                    weights.stride(0), weights.stride(1),
+                    pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
+                    part.stride(0),
+                    float(act.alpha), float(act.limit),
+                    ACT=ACT_CODES[act.name], GATED=act.gated,
+                    HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+                    W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
+                    RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+                    PHASE=phase,
+                )
             del pre  # may alias dpre: it must not outlive the window
         if not skip:
             _weight_grad(grad_y, hw, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]

@@ -233,6 +233,63 @@ def test_activations_and_biases_match_reference(act, bias, policy):
     check_against_reference(case, policy, tol=1e-5)
 
 
+def _kinds_launched(monkeypatch):
+    kinds = []
+    launch = autotune.launch
+
+    def spy(kernel, tuned_kernel, kind, *args, **kwargs):
+        kinds.append(kind)
+        return launch(kernel, tuned_kernel, kind, *args, **kwargs)
+
+    monkeypatch.setattr(autotune, "launch", spy)
+    return kinds
+
+
+@pytest.mark.parametrize("window_slots", [0, 9], ids=["one_window", "windows"])
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a.split("(")[0])
+def test_split_dh_matches_reference(monkeypatch, act, window_slots):
+    # dh as two launches (its GEMM storing dH' into the w*H buffer, then its epilogue reading it back and
+    # overwriting it): every output and gradient as the fused kernel's, windows included.
+    monkeypatch.setattr(expert_bwd, "DH_SPLIT_MIN_H", 0)
+    kinds = _kinds_launched(monkeypatch)
+    case = make_case(21, 24, 20, 4, 2, act=act, bias=True, ids_mode="empty_expert", seed=1)
+    check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
+    assert "dh_gemm" in kinds and "dh_act" in kinds and "dh" not in kinds
+    assert kinds.count("dh_gemm") == kinds.count("dh_act")
+
+
+def test_split_dh_only_where_chosen(monkeypatch):
+    # h below DH_SPLIT_MIN_H: one launch; "recompute" never splits (its A|B come out of the GEMM).
+    kinds = _kinds_launched(monkeypatch)
+    case = make_case(21, 24, 20, 4, 2, act="swiglu", ids_mode="empty_expert", seed=1)
+    check_against_reference(case, "activations", tol=1e-5)
+    assert "dh" in kinds and "dh_gemm" not in kinds
+    monkeypatch.setattr(expert_bwd, "DH_SPLIT_MIN_H", 0)
+    kinds.clear()
+    check_against_reference(case, "recompute", tol=1e-5)
+    assert "dh_recompute" in kinds and "dh_gemm" not in kinds
+
+
+def test_single_candidate_kinds_never_go_through_the_tuner(monkeypatch):
+    # dh_act overwrites its input (dH' becomes w*H): a tuner that ran it several times would read its own output.
+    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    assert len(autotune.kernel_configs("dh_act")) == 1
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("kernel", kwargs))
+
+    class Tuned(Kernel):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("tuner", kwargs))
+
+    autotune.launch(Kernel(), Tuned(), "dh_act", lambda meta: (1,), PHASE=2)
+    assert [c[0] for c in calls] == ["kernel"]
+    assert calls[0][1]["BLOCK_N"] == 64 and calls[0][1]["SPLIT_N"] == 2 and calls[0][1]["num_stages"] == 1
+
+
 # (layout, activation, bias): every gated layout with all biases; the plain activations' layouts without
 LAYOUT_CASES = [(lay, "swiglu_oai(alpha=1.702,limit=0.6)" if lay == "hf_fused" else "swiglu", True) for lay in LAYOUTS] \
     + [("transposed", "gelu", False), ("list", "relu", True)]
@@ -656,6 +713,22 @@ def test_expert_kernels_bf16_cuda(T, d, h, E, K, ids_mode, act, bias, layout, wh
         a, b = (o1[k], o2[k]) if isinstance(o1[k], list) else ([o1[k]], [o2[k]])
         assert all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a, b)), \
             f"gradient of {k} is not bitwise deterministic"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots", [(1000, 320, 200, 8, 4, "empty_expert", 0),
+                                                              (700, 128, 320, 4, 2, "one_expert", 300)],
+                         ids=["ragged", "windows"])
+def test_split_dh_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots):
+    # The split dh (dH' through memory in bf16) within the tolerance, and bitwise deterministic.
+    monkeypatch.setattr(expert_bwd, "DH_SPLIT_MIN_H", 0)
+    case = make_case(T, d, h, E, K, act="swiglu", bias=True, device="cuda", dtype=torch.bfloat16, ids_mode=ids_mode,
+                     seed=T + 3)
+    y1, o1 = check_against_reference(case, "activations", tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
+    y2, o2 = run_kernels(case, "activations", window_slots=window_slots)
+    assert torch.equal(y1, y2)
+    assert torch.equal(o1["x"], o2["x"]) and torch.equal(o1["weights"], o2["weights"])
+    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"]))
 
 
 # (T, d, h, E, K, ids_mode, layout, window_slots): slot windows in bf16 (128-row tiles cut mid-way)
