@@ -247,27 +247,29 @@ def _kinds_launched(monkeypatch):
 
 @pytest.mark.parametrize("window_slots", [0, 9], ids=["one_window", "windows"])
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a.split("(")[0])
-def test_split_dh_matches_reference(monkeypatch, act, window_slots):
-    # dh as two launches (its GEMM storing dH' into the w*H buffer, then its epilogue reading it back and
-    # overwriting it): every output and gradient as the fused kernel's, windows included.
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT_MIN_H", 0)
+def test_fused_dh_matches_reference(monkeypatch, act, window_slots):
+    # DH_SPLIT = False: dH' and its epilogue in one launch (the split is the default; every other "activations"
+    # test runs it). Every output and gradient as the reference's, windows included.
+    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
     kinds = _kinds_launched(monkeypatch)
     case = make_case(21, 24, 20, 4, 2, act=act, bias=True, ids_mode="empty_expert", seed=1)
     check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
-    assert "dh_gemm" in kinds and "dh_act" in kinds and "dh" not in kinds
-    assert kinds.count("dh_gemm") == kinds.count("dh_act")
+    assert "dh" in kinds and "dh_gemm" not in kinds and "dh_act" not in kinds
 
 
-def test_split_dh_only_where_chosen(monkeypatch):
-    # h below DH_SPLIT_MIN_H: one launch; "recompute" never splits (its A|B come out of the GEMM).
+@pytest.mark.parametrize("window_slots", [0, 9], ids=["one_window", "windows"])
+def test_dh_launches_by_policy(monkeypatch, window_slots):
+    # "activations": the dh GEMM then its epilogue, once per window each; "recompute": one launch per window
+    # (its A|B come out of the GEMM).
     kinds = _kinds_launched(monkeypatch)
     case = make_case(21, 24, 20, 4, 2, act="swiglu", ids_mode="empty_expert", seed=1)
-    check_against_reference(case, "activations", tol=1e-5)
-    assert "dh" in kinds and "dh_gemm" not in kinds
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT_MIN_H", 0)
+    check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
+    assert kinds.count("dh_gemm") == kinds.count("dh_act") > 0 and "dh" not in kinds
+    if window_slots:
+        assert kinds.count("dh_gemm") > 1
     kinds.clear()
-    check_against_reference(case, "recompute", tol=1e-5)
-    assert "dh_recompute" in kinds and "dh_gemm" not in kinds
+    check_against_reference(case, "recompute", tol=1e-5, window_slots=window_slots)
+    assert "dh_recompute" in kinds and "dh_gemm" not in kinds and "dh_act" not in kinds
 
 
 def test_single_candidate_kinds_never_go_through_the_tuner(monkeypatch):
@@ -719,9 +721,10 @@ def test_expert_kernels_bf16_cuda(T, d, h, E, K, ids_mode, act, bias, layout, wh
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots", [(1000, 320, 200, 8, 4, "empty_expert", 0),
                                                               (700, 128, 320, 4, 2, "one_expert", 300)],
                          ids=["ragged", "windows"])
-def test_split_dh_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots):
-    # The split dh (dH' through memory in bf16) within the tolerance, and bitwise deterministic.
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT_MIN_H", 0)
+def test_fused_dh_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots):
+    # DH_SPLIT = False (the fused dh) within the tolerance and bitwise deterministic; the split default is
+    # what every other "activations" CUDA test runs.
+    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
     case = make_case(T, d, h, E, K, act="swiglu", bias=True, device="cuda", dtype=torch.bfloat16, ids_mode=ids_mode,
                      seed=T + 3)
     y1, o1 = check_against_reference(case, "activations", tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
