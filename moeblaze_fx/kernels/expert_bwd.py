@@ -7,9 +7,10 @@ A|B [N, 2h] (or A [N, h], plain activation) in slot order, biases included (save
 kernel, one extra up GEMM). Weight gradients are written through the ``grads`` tables (x.dtype or
 float32; overwritten, or added to with ``accumulate=True``); bias gradients are returned in float32.
 
-Data flow (six launches + one small reduction, plus one small launch per bias)::
+Data flow (six launches, seven under "activations", + one small reduction, plus one small launch per bias)::
 
-    _expert_dh_kernel   per row tile of one expert, one pass over d:
+    _expert_dh_kernel   per row tile of one expert, one pass over d (under "activations" two launches: the
+                        GEMM, dH' stored into the w*H buffer, then the epilogue reading it back; DH_SPLIT):
                           dH' = dy[tok] @ W_down[e]                (dy rows gathered on the fly)
                           A|B = x[tok] @ W_{gate|up}[e].T + b      (RECOMPUTE only, same pass over d)
                         epilogue, the activation recomputed in registers (constexpr ACT):
