@@ -17,7 +17,7 @@ Kinds, and what ``block_m/n/k`` mean for each:
 ``up``           up projection (forward) over the plan's row tiles: rows x (h columns, gate and up each) x d
 ``dh``           backward dH' (A|B read from the saved preact) over row tiles: rows x h x d
 ``dh_recompute`` the same kernel recomputing A|B: three accumulators (gated), so a narrower tile
-``dh_gemm``      the dh kernel split in two (large h): its GEMM alone, dH' stored (rows x h x d)
+``dh_gemm``      the dh kernel split in two ("activations"): its GEMM alone, dH' stored (rows x h x d)
 ``dh_act``       ... and its epilogue alone, dH' read back (rows x h; block_k unused)
 ``down``         row-tile GEMM (forward down projection, backward dX = dA W_gate + dB W_up): rows x d x (h or 2 x h)
 ``dw``           per-expert weight gradient, contraction over the expert's slots: out rows x out cols x slots
@@ -31,6 +31,7 @@ the plan's ``tile_expert``/``tile_start`` are built for one tile height.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -187,6 +188,13 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     return cfgs
 
 
+@functools.lru_cache(maxsize=None)
+def _only_config(kind: str) -> KernelConfig | None:
+    """The kind's configuration when it has a single candidate (launches look this up on the host's hot path)."""
+    cfgs = kernel_configs(kind)
+    return cfgs[0] if len(cfgs) == 1 else None
+
+
 def tuned(kernel, kind: str, key: list[str]):
     """``kernel`` (a heuristics/jit kernel) wrapped in ``triton.autotune`` over the kind's candidates."""
     return triton.autotune(configs=[c.to_triton(kind) for c in kernel_configs(kind)], key=key)(kernel)
@@ -219,10 +227,8 @@ def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
 
     ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
     cfg = _fixed_config()
-    if cfg is None:
-        candidates = kernel_configs(kind)
-        if len(candidates) == 1:  # nothing to choose: never through the tuner, which may run a launch many times
-            cfg = candidates[0]
+    if cfg is None:  # a kind with one candidate: never through the tuner, which may run a launch many times
+        cfg = _only_config(kind)
     if cfg is not None:
         return kernel[grid](*args, **constexprs, **cfg.meta(kind), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if os.environ.get("MOEBLAZE_LEAN_LAUNCH", "1") == "0":

@@ -129,8 +129,8 @@ def _dh_epilogue(
     tl.store(dpre_base + dpre_offs, d_a.to(io_ty), mask=mask)
     if GATED:
         tl.store(dpre_base + h * stride_dpre_n + dpre_offs, d_b.to(io_ty), mask=mask)
-    tl.store(hw_ptr + start64 * stride_hw_s + (local[:, None] * stride_hw_s + offs_n[None, :] * stride_hw_n),
-             (hid * wt[:, None]).to(io_ty), mask=mask)
+    hw_ptrs, _ = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N, EVEN_N)
+    tl.store(hw_ptrs, (hid * wt[:, None]).to(io_ty), mask=mask)
     # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
     # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0.
     part_ptrs = part_ptr + (col0 // CHUNK_N) * stride_part_c + pair.to(tl.int64)
