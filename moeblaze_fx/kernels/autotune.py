@@ -60,7 +60,8 @@ DEFAULT_BLOCK_M = 128
 # the routing-weight gradient is reduced in chunks of this many hidden columns.
 _DWEIGHTS_CHUNK = 64
 
-_TILE_KINDS = ("up", "dh", "dh_recompute", "dh_gemm", "dh_act", "down")
+_DH_KINDS = ("dh", "dh_recompute", "dh_gemm", "dh_act")  # their block_n carries the dweights chunks
+_TILE_KINDS = ("up", *_DH_KINDS, "down")
 KINDS = _TILE_KINDS + ("dw",)
 
 
@@ -177,13 +178,13 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dw":  # the gathered operand on A's side (dW_gate, dW_up computed transposed). H100, 2026-11-21
         # (eighth session), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
         # s5 C 0.96 / 0.97, D 1.10 / 1.13, A 7.46 / 8.11 (7 and 5 stages hold 4 and 3 tile buffers: the gathered
-        # rows' indices take a stage). 256x128 (s3 with the rows in registers, s7) 9-26 % slower on both; 128x128
+        # rows' indices take a stage). 256x128 (s3 with the rows in registers, s7) 18-33 % slower on both; 128x128
         # tiles 25-35 % slower (earlier sessions)
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=7),
                 KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5)]
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
-    if kind in ("dh", "dh_recompute", "dh_gemm", "dh_act"):
+    if kind in _DH_KINDS:
         assert all(c.block_n % _DWEIGHTS_CHUNK == 0 and c.block_n * c.split_n <= 256 for c in cfgs)
     return cfgs
 

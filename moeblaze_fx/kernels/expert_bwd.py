@@ -523,6 +523,7 @@ _expert_dh_act_tuned = autotune.tuned(_expert_dh_kernel, "dh_act", key=["d", "h"
 # fused / split (eighth session): C 1.47 / 1.29 ms, D 1.89 / 1.66, A 13.27 / 13.03, B 9.46 / 8.63.
 # False: one fused launch (kept for comparisons; the tests keep it right).
 DH_SPLIT = True
+
 _expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA"])
 # Keys (m_dim, n_dim, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
