@@ -328,31 +328,6 @@ def _token_rows(token_index_ptr, s, seg_hi, K, IDX: tl.constexpr):
     return (tl.load(token_index_ptr + s, mask=s < seg_hi, other=0) // K).to(IDX)
 
 
-@triton.jit
-def _dw_chunk(acc, a_ptr, b_ptr, slot_desc, token_index_ptr, s, i, seg_hi, slot0, K, offs_m_ld, offs_n_ld, pid_n,
-              stride_a_r, stride_a_m, stride_b_r, stride_b_n,
-              MASKED: tl.constexpr, TMA: tl.constexpr, IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a[token(s)].T @ b[s] for the chunk of slots ``s`` (the i-th of the segment; masked at seg_hi when
-    MASKED, and then past-the-end slots count as zeros)."""
-    tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
-    a_ptrs = a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m  # [BLOCK_M, BLOCK_K]
-    if MASKED:
-        s_mask = s < seg_hi
-        a = tl.load(a_ptrs, mask=s_mask[None, :], other=0.0)
-    else:
-        a = tl.load(a_ptrs)
-    if TMA:  # rows past the segment's end read as zeros
-        b = slot_desc.load([i * BLOCK_K, pid_n * BLOCK_N])
-    elif MASKED:
-        s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
-        b = tl.load(b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
-                    other=0.0)
-    else:
-        b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
 @triton.heuristics({
     "EVEN_M": lambda a: a["m_dim"] % a["BLOCK_M"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
@@ -378,7 +353,6 @@ def _expert_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
-    TAIL_IN_LOOP: tl.constexpr = True,  # the ragged last chunk inside the pipelined loop (masked every chunk)
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     dW[e] = sum over e's slots s in the window of a[token(s)].T @ b[s], the contraction running over the
@@ -449,30 +423,34 @@ def _expert_dw_kernel(
     # iteration of the copy that needs it, which then waits on it (TTGIR, sm_90; RESULTS.md, seventh session).
     # Slot-ordered rows are the window's: row = slot - slot0.
     s = seg_lo + offs_s
+    n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     if TMA:
         # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
         # a program with nothing to load still builds a valid descriptor.
         slot_desc = tl.make_tensor_descriptor(b_ptr + (seg_lo - slot0).to(tl.int64) * stride_b_r,
                                               shape=[tl.maximum(seg_hi - seg_lo, 1), n_dim], strides=[stride_b_r, 1],
                                               block_shape=[BLOCK_K, BLOCK_N])
-    if TAIL_IN_LOOP:  # every chunk masked, the ragged last one included: all of them pipelined
-        n_chunks = tl.cdiv(tl.maximum(seg_hi - seg_lo, 0), BLOCK_K)
-        for i in range(0, n_chunks):
-            acc = _dw_chunk(acc, a_ptr, b_ptr, slot_desc if TMA else b_ptr, token_index_ptr, s, i, seg_hi, slot0, K,
-                            offs_m_ld, offs_n_ld, pid_n, stride_a_r, stride_a_m, stride_b_r, stride_b_n,
-                            True, TMA, IDX, DOT_PRECISION, BLOCK_N, BLOCK_K)
-            s += BLOCK_K
-    else:  # full chunks unmasked, then the ragged tail after the loop
-        n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
-        for i in range(0, n_full):
-            acc = _dw_chunk(acc, a_ptr, b_ptr, slot_desc if TMA else b_ptr, token_index_ptr, s, i, seg_hi, slot0, K,
-                            offs_m_ld, offs_n_ld, pid_n, stride_a_r, stride_a_m, stride_b_r, stride_b_n,
-                            False, TMA, IDX, DOT_PRECISION, BLOCK_N, BLOCK_K)
-            s += BLOCK_K
-        if seg_lo + n_full * BLOCK_K < seg_hi:
-            acc = _dw_chunk(acc, a_ptr, b_ptr, slot_desc if TMA else b_ptr, token_index_ptr, s, n_full, seg_hi, slot0,
-                            K, offs_m_ld, offs_n_ld, pid_n, stride_a_r, stride_a_m, stride_b_r, stride_b_n,
-                            True, TMA, IDX, DOT_PRECISION, BLOCK_N, BLOCK_K)
+    for i in range(0, n_full):
+        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
+        a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
+        if TMA:
+            b = slot_desc.load([i * BLOCK_K, pid_n * BLOCK_N])
+        else:
+            b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        s += BLOCK_K
+    if seg_lo + n_full * BLOCK_K < seg_hi:  # ragged tail of this expert's slots
+        s_mask = s < seg_hi
+        tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
+        a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
+                    other=0.0)
+        if TMA:
+            b = slot_desc.load([n_full * BLOCK_K, pid_n * BLOCK_N])
+        else:
+            s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
+            b = tl.load(b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
+                        other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
 
