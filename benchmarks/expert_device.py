@@ -526,7 +526,7 @@ def micro(result, name="A") -> None:
     log(f"micro at config {name}")
     off = plan.offsets
 
-    def dw_launch(a, b, out, bm, bn, bk, nw, ns, gm, tma=False, rows32=None, epi=1, index=None):
+    def dw_launch(a, b, out, bm, bn, bk, nw, ns, gm, tma=False, rows32=None, index=None):
         m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
         if tma:
@@ -538,15 +538,14 @@ def micro(result, name="A") -> None:
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride_r, out.stride_c,
                 OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
                 DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns,
-                EPI=epi, **extra)
+                **extra)
 
     flops_dd, flops_dg = 2 * N * d * h, 2 * N * d * h
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptor for the slot operand, 32-bit row offsets
     # (None: the heuristic)). The gathered rows' indices take a stage: 7 and 5 stages hold 4 and 3 tile buffers.
     # dW_gate runs transposed, (x[tok].T @ dA).T, as the operator does.
-    variants = [(128, 256, 64, 8, 7, 8, True, None, 1), (128, 256, 64, 8, 7, 8, True, None, 0),
-                (128, 256, 64, 8, 7, 8, True, None, 2), (128, 256, 64, 8, 5, 8, True, None, 1),
-                (128, 256, 64, 8, 5, 8, True, None, 0)]
+    variants = [(128, 256, 64, 8, 7, 8, True, None), (128, 256, 64, 8, 5, 8, True, None),
+                (256, 128, 64, 8, 5, 8, True, None)]
     if "dw" in MICRO_KERNELS:
         base = None
         for v in variants:

@@ -353,7 +353,6 @@ def _expert_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
-    EPI: tl.constexpr = 1,  # EXPERIMENT: 1 store; 0 no store (never taken); 2 store row 0 only
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     dW[e] = sum over e's slots s in the window of a[token(s)].T @ b[s], the contraction running over the
@@ -453,13 +452,7 @@ def _expert_dw_kernel(
                         other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-    if EPI == 1:
-        tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
-    elif EPI == 0:
-        if pid_n < 0:
-            tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=(offs_m < 1)[:, None])
+    tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
 
 
 @triton.heuristics({"EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0})
