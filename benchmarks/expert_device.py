@@ -534,11 +534,7 @@ def micro(result, name="A") -> None:
         # rows32 None: the heuristics decide (ROWS32 when the offsets fit); 0/1: the jit function, pinned
         k, extra = (kern, {}) if rows32 is None else (kern.fn, dict(
             EVEN_M=m_dim % bm == 0, EVEN_N=n_dim % bn == 0, ROWS32=rows32))
-        b_desc = b
-        if tma == 2:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            b_desc = TensorDescriptor.from_tensor(b, [bk, bn])
-        k[grid](a, b, b_desc, out.ptrs, plan.token_index if index is None else index, off, m_dim, n_dim, K, 0, N, N + 1,
+        k[grid](a, b, out.ptrs, plan.token_index if index is None else index, off, m_dim, n_dim, K, 0, N, N + 1,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride_r, out.stride_c,
                 OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
                 DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns,
@@ -548,8 +544,8 @@ def micro(result, name="A") -> None:
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptor for the slot operand, 32-bit row offsets
     # (None: the heuristic)). The gathered rows' indices take a stage: 7 and 5 stages hold 4 and 3 tile buffers.
     # dW_gate runs transposed, (x[tok].T @ dA).T, as the operator does.
-    variants = [(128, 256, 64, 8, 7, 8, 1, None), (128, 256, 64, 8, 7, 8, 2, None),
-                (128, 256, 64, 8, 5, 8, 1, None), (128, 256, 64, 8, 5, 8, 2, None), (128, 256, 64, 8, 5, 8, 0, None)]
+    variants = [(128, 256, 64, 8, 7, 8, True, None), (128, 256, 64, 8, 5, 8, True, None),
+                (256, 128, 64, 8, 5, 8, True, None)]
     if "dw" in MICRO_KERNELS:
         base = None
         for v in variants:

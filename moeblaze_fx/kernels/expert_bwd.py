@@ -394,7 +394,6 @@ def _token_rows(token_index_ptr, s, seg_hi, K, IDX: tl.constexpr):
 def _expert_dw_kernel(
     a_ptr,  # [T, m_dim], read at row token(s): dy (dW_down) or x (dW_gate, dW_up)
     b_ptr,  # [slot1 - slot0, n_dim]: the window's slots of w*H (dW_down) or dA, dB (dW_gate, dW_up)
-    b_desc,
     out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), x.dtype or fp32 (OUT_FP32)
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
@@ -407,7 +406,6 @@ def _expert_dw_kernel(
     OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
     MAY_ADD: tl.constexpr,  # ACCUMULATE or slot0 > 0: some program may start from C (else no C load at all)
     TMA: tl.constexpr,  # the slot-ordered operand through a tensor descriptor bounded by the expert's segment
-    # EXPERIMENT: TMA == 2: full chunks through b_desc, a host descriptor over the window's rows; tail by pointers
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -483,7 +481,7 @@ def _expert_dw_kernel(
     # Slot-ordered rows are the window's: row = slot - slot0.
     s = seg_lo + offs_s
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
-    if TMA == 1:
+    if TMA:
         # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
         # a program with nothing to load still builds a valid descriptor.
         slot_desc = tl.make_tensor_descriptor(b_ptr + (seg_lo - slot0).to(tl.int64) * stride_b_r,
@@ -492,10 +490,8 @@ def _expert_dw_kernel(
     for i in range(0, n_full):
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
-        if TMA == 1:
+        if TMA:
             b = slot_desc.load([i * BLOCK_K, pid_n * BLOCK_N])
-        elif TMA == 2:
-            b = b_desc.load([seg_lo - slot0 + i * BLOCK_K, pid_n * BLOCK_N])
         else:
             b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -505,7 +501,7 @@ def _expert_dw_kernel(
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
                     other=0.0)
-        if TMA == 1:
+        if TMA:
             b = slot_desc.load([n_full * BLOCK_K, pid_n * BLOCK_N])
         else:
             s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
@@ -625,7 +621,7 @@ def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: Dispatch
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
-            tokens, slots, slots, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
+            tokens, slots, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             tokens.stride(0), tokens.stride(1), slots.stride(0), slots.stride(1), table.stride_r, table.stride_c,
             OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
             TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype),
