@@ -33,21 +33,25 @@ def _jit_fn(kernel):
 
 
 def compile_kernel(kernel, constexprs: dict, *, num_warps: int = 8, num_stages: int = 3, maxnreg: int | None = None,
-                   ones: tuple = (), div16: tuple = (), dtype: str = "bf16") -> dict:
+                   ones: tuple = (), div16: tuple = (), dtype: str = "bf16", descs: dict | None = None) -> dict:
     """Compile ``kernel`` for sm_90a: {"regs", "stack", "smem", "ttgir"}. ``ones``: integer arguments that
-    equal 1 (Triton specializes them); ``div16``: integer arguments divisible by 16 (pointers always are)."""
+    equal 1 (Triton specializes them); ``div16``: integer arguments divisible by 16 (pointers always are);
+    ``descs``: host tensor descriptor arguments, name -> block shape."""
     fn = _jit_fn(kernel)
     constexprs = dict(constexprs, **{n: 1 for n in ones})
     sig = {}
     for p in fn.params:
         if p.is_constexpr or p.name in ones:
             sig[p.name] = "constexpr"
+        elif descs and p.name in descs:
+            sig[p.name] = f"tensordesc<{dtype}{list(descs[p.name])}>"
         elif p.name.endswith("_ptr"):
             sig[p.name] = _PTR_TYPES.get(p.name, "*" + dtype)
         else:
             sig[p.name] = "fp32" if p.name in ("alpha", "limit") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
-             if sig[p.name] != "constexpr" and (p.name.endswith("_ptr") or p.name in div16)}
+             if sig[p.name] != "constexpr" and not sig[p.name].startswith("tensordesc")
+             and (p.name.endswith("_ptr") or p.name in div16)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
@@ -89,7 +93,8 @@ def _dw(rows):
             c = dict(OUT_FP32=False, ACCUMULATE=False, O_ALIGN=16, MAY_ADD=False, TMA=True, DOT_PRECISION="tf32",
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, EVEN_M=True, EVEN_N=True, ROWS32=True)
             r = compile_kernel(expert_bwd._expert_dw_kernel, c, num_warps=8, num_stages=ns, ones=ones,
-                               div16=("m_dim", "n_dim", "stride_a_r", "stride_b_r") + div16)
+                               div16=("m_dim", "n_dim", "stride_a_r", "stride_b_r") + div16,
+                               descs={"b_desc": (64, bn)})
             rows.append((f"dw {name} {bm}x{bn} s{ns}", r))
 
 

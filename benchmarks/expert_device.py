@@ -43,6 +43,7 @@ if DRY:
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 T0 = time.time()
 DEVICE = "cpu" if DRY else "cuda"
@@ -529,12 +530,11 @@ def micro(result, name="A") -> None:
     def dw_launch(a, b, out, bm, bn, bk, nw, ns, gm, tma=False, rows32=None, index=None):
         m_dim, n_dim = out.rows, out.cols
         grid = (E * triton.cdiv(m_dim, bm) * triton.cdiv(n_dim, bn),)
-        if tma:
-            expert_fwd.ensure_tma_allocator()
         # rows32 None: the heuristics decide (ROWS32 when the offsets fit); 0/1: the jit function, pinned
         k, extra = (kern, {}) if rows32 is None else (kern.fn, dict(
             EVEN_M=m_dim % bm == 0, EVEN_N=n_dim % bn == 0, ROWS32=rows32))
-        k[grid](a, b, out.ptrs, plan.token_index if index is None else index, off, m_dim, n_dim, K, 0, N, N + 1,
+        b_desc = TensorDescriptor.from_tensor(b, [bk, bn]) if tma else b
+        k[grid](a, b, b_desc, out.ptrs, plan.token_index if index is None else index, off, m_dim, n_dim, K, 0, N, N + 1,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride_r, out.stride_c,
                 OUT_FP32=False, ACCUMULATE=False, MAY_ADD=False, TMA=tma, O_ALIGN=expert_fwd.table_align(out),
                 DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns,
@@ -545,7 +545,7 @@ def micro(result, name="A") -> None:
     # (None: the heuristic)). The gathered rows' indices take a stage: 7 and 5 stages hold 4 and 3 tile buffers.
     # dW_gate runs transposed, (x[tok].T @ dA).T, as the operator does.
     variants = [(128, 256, 64, 8, 7, 8, True, None), (128, 256, 64, 8, 5, 8, True, None),
-                (256, 128, 64, 8, 5, 8, True, None)]
+                (128, 256, 64, 8, 5, 8, False, None)]
     if "dw" in MICRO_KERNELS:
         base = None
         for v in variants:

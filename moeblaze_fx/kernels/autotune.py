@@ -50,6 +50,7 @@ __all__ = [
     "plan_block_m",
     "kernel_configs",
     "dweights_chunk",
+    "shared_block",
     "tuned",
     "launch",
 ]
@@ -193,6 +194,16 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     if kind in _DH_KINDS:
         assert all(c.block_n % _DWEIGHTS_CHUNK == 0 and c.block_n * c.split_n <= 256 for c in cfgs)
     return cfgs
+
+
+def shared_block(kind: str) -> tuple[int, int]:
+    """(block_k, block_n) of every configuration a launch of ``kind`` may run with (the fixed one, or every
+    candidate's, which must agree): the block a host tensor descriptor is built with before the tuner picks."""
+    cfg = _fixed_config()
+    blocks = {(c.block_k, c.block_n) for c in ([cfg] if cfg is not None else kernel_configs(kind))}
+    if len(blocks) != 1:
+        raise ValueError(f"the {kind!r} candidates differ in (block_k, block_n): {sorted(blocks)}")
+    return blocks.pop()
 
 
 @functools.lru_cache(maxsize=None)

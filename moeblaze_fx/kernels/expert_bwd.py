@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune
 from .autotune import plan_block_m
@@ -394,6 +395,7 @@ def _token_rows(token_index_ptr, s, seg_hi, K, IDX: tl.constexpr):
 def _expert_dw_kernel(
     a_ptr,  # [T, m_dim], read at row token(s): dy (dW_down) or x (dW_gate, dW_up)
     b_ptr,  # [slot1 - slot0, n_dim]: the window's slots of w*H (dW_down) or dA, dB (dW_gate, dW_up)
+    b_desc,  # TMA: a host tensor descriptor of b, block [BLOCK_K, BLOCK_N]; else b_ptr again (unused)
     out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), x.dtype or fp32 (OUT_FP32)
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
@@ -405,7 +407,7 @@ def _expert_dw_kernel(
     stride_o_m, stride_o_n,
     OUT_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, O_ALIGN: tl.constexpr,
     MAY_ADD: tl.constexpr,  # ACCUMULATE or slot0 > 0: some program may start from C (else no C load at all)
-    TMA: tl.constexpr,  # the slot-ordered operand through a tensor descriptor bounded by the expert's segment
+    TMA: tl.constexpr,  # the slot-ordered operand's full chunks through b_desc (its ragged tail through pointers)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -482,16 +484,15 @@ def _expert_dw_kernel(
     s = seg_lo + offs_s
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
     if TMA:
-        # Rows past the segment's end read as zeros (the descriptor's bound); the shape is at least 1 so that
-        # a program with nothing to load still builds a valid descriptor.
-        slot_desc = tl.make_tensor_descriptor(b_ptr + (seg_lo - slot0).to(tl.int64) * stride_b_r,
-                                              shape=[tl.maximum(seg_hi - seg_lo, 1), n_dim], strides=[stride_b_r, 1],
-                                              block_shape=[BLOCK_K, BLOCK_N])
+        # A descriptor built by the host, over the whole window: full chunks never cross the segment's end, and
+        # a program builds no descriptor of its own (one bounded by the segment, built here, cost 3-7 % at C and
+        # D: a global write and a proxy fence on the way to the first load; H100, RESULTS.md, ninth session).
+        tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == BLOCK_N))
     for i in range(0, n_full):
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
         if TMA:
-            b = slot_desc.load([i * BLOCK_K, pid_n * BLOCK_N])
+            b = b_desc.load([seg_lo - slot0 + i * BLOCK_K, pid_n * BLOCK_N])
         else:
             b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -501,12 +502,9 @@ def _expert_dw_kernel(
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
                     other=0.0)
-        if TMA:
-            b = slot_desc.load([n_full * BLOCK_K, pid_n * BLOCK_N])
-        else:
-            s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
-            b = tl.load(b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
-                        other=0.0)
+        s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
+        b = tl.load(b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
+                    other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
@@ -589,13 +587,13 @@ _DW_TUNED_KEYS: set[tuple] = set()
 
 def _dw_tma(slots: Tensor) -> bool:
     """Whether the dW kernel reads the slot-ordered operand (dA, dB or w*H) through a tensor descriptor
-    (TMA on the GPU) bounded by each expert's segment, rather than through pointers: where a descriptor can
-    describe it (unit column stride, 16-byte aligned base and row stride) and the device has TMA (sm_90+;
-    the Triton interpreter runs descriptors too). H100, 2026-11-21 (benchmarks/NOTES-kernels.md): dW_down
-    at config A 10.03 -> 8.61 ms with 128x256x64 tiles and 4 stages."""
+    (TMA on the GPU) rather than through pointers: where a descriptor can describe it (unit column stride,
+    16-byte aligned base and row stride) and the device has TMA (sm_90+; the Triton interpreter runs
+    descriptors too). H100, 2026-11-21 (benchmarks/NOTES-kernels.md): dW_down at config A 10.03 -> 8.61 ms
+    with 128x256x64 tiles and 4 stages."""
     item = slots.element_size()
-    if slots.stride(1) != 1 or (slots.stride(0) * item) % 16 or slots.data_ptr() % 16:
-        return False
+    if slots.numel() == 0 or slots.stride(1) != 1 or (slots.stride(0) * item) % 16 or slots.data_ptr() % 16:
+        return False  # (a descriptor's shape must be positive)
     return tma_available(slots.device)
 
 
@@ -617,11 +615,15 @@ def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: Dispatch
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     tma = _dw_tma(slots)
+    b_desc = slots
+    if tma:  # built for the one block every candidate configuration shares (the tuner picks among them later)
+        block_k, block_n = autotune.shared_block("dw")
+        b_desc = TensorDescriptor.from_tensor(slots, [block_k, block_n])
 
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
             _expert_dw_kernel, _expert_dw_tuned, "dw", grid,
-            tokens, slots, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
+            tokens, slots, b_desc, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             tokens.stride(0), tokens.stride(1), slots.stride(0), slots.stride(1), table.stride_r, table.stride_c,
             OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
             TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype),

@@ -412,6 +412,7 @@ def test_descriptor_eligibility(monkeypatch):
     assert expert_bwd._dw_tma(t) and expert_bwd._dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
     assert not expert_bwd._dw_tma(torch.zeros(8, 6))  # 24-byte rows
     assert not expert_bwd._dw_tma(t[:, 1:]) and not expert_bwd._dw_tma(t.t())  # misaligned base; column stride
+    assert not expert_bwd._dw_tma(t[:0])  # no rows: a descriptor's shape must be positive
     cpu = torch.device("cpu")
     assert expert_fwd.weight_tma_mode([(24, 1), (48, 1)], 16, 4, cpu) == 1  # n contiguous in both tables
     assert expert_fwd.weight_tma_mode([(1, 24)], 16, 2, cpu) == 2  # k contiguous
@@ -790,3 +791,17 @@ def test_slot_windows_bound_the_backward_transients_cuda(policy):
     bound = T * d * 2 + part + T * K * 2 + window_bytes + (1 << 20)
     assert peak <= bound, f"peak {peak} above {bound} (window transients {window_bytes})"
     del out
+
+
+def test_shared_block_is_what_every_candidate_runs(monkeypatch):
+    # The dW kernel's host descriptor is built before the tuner picks a configuration: its block must be the
+    # one every candidate (or the fixed configuration) uses, and a kind whose candidates differ is refused.
+    monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=64,block_k=16")
+    assert autotune.shared_block("dw") == (16, 64)
+    monkeypatch.delenv(autotune.ENV_VAR)
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    assert autotune.shared_block("dw") == {(c.block_k, c.block_n) for c in autotune.kernel_configs("dw")}.pop()
+    two = [autotune.KernelConfig(block_n=256, block_k=64), autotune.KernelConfig(block_n=128, block_k=64)]
+    monkeypatch.setattr(autotune, "kernel_configs", lambda kind: two)
+    with pytest.raises(ValueError, match="differ in"):
+        autotune.shared_block("dw")
