@@ -670,11 +670,11 @@ def micro(result, name="A") -> None:
                 rows.append(dict(kernel="dh", variant=str((bn, bk, nw, ns, split, gm)), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             log(f"micro {rows[-1]}")
     if "dhsplit" in MICRO_KERNELS:
-        # dh in one launch (the tuned candidates) against its GEMM alone (GEMM_ONLY: dH' into hw) followed by its
-        # epilogue (_expert_dh_act_kernel: dH' read back from hw); outputs compared with the first fused variant
+        # dh in one launch (PHASE 0, the tuned candidates) against its GEMM (PHASE 1: dH' into hw) followed by
+        # its epilogue (PHASE 2: dH' read back from hw); outputs compared with the first PHASE 0 variant
         part_ref = torch.zeros_like(part)
 
-        def dh_launch(gemm_only, bn, bk, nw, ns, split, gm, out_part):
+        def dh_launch(phase, bn, bk, nw, ns, split, gm, out_part):
             grid = (num_tiles * triton.cdiv(h, bn * split),)
             expert_bwd._expert_dh_kernel[grid](
                 gy, x, g_t.ptrs, u_t.ptrs, d_t.ptrs, x, x, w, preact, dpre, hw, out_part, plan.token_index, off,
@@ -685,12 +685,12 @@ def micro(result, name="A") -> None:
                 ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
                 W_ALIGN=expert_fwd.table_align(d_t), RECOMPUTE=False, DOT_PRECISION="tf32", CHUNK_N=64,
                 SPLIT_N=split, BLOCK_M=plan_block_m(), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
-                num_stages=ns, GEMM_ONLY=gemm_only)
+                num_stages=ns, PHASE=phase)
 
         ref = None
         for v in [(64, 64, 8, 4, 2, 16), (64, 128, 8, 3, 2, 8)]:
             try:
-                ms = bench(lambda: dh_launch(False, *v, part_ref), warmup=50, rep=200)
+                ms = bench(lambda: dh_launch(0, *v, part_ref), warmup=50, rep=200)
                 if ref is None:
                     ref = (dpre.clone(), hw.clone(), part_ref[:h // 64].sum(0))
                 rows.append(dict(kernel="dh", variant=str(v), phase=0, ms=ms, tflops=2 * N * d * h / ms / 1e9))
@@ -700,7 +700,7 @@ def micro(result, name="A") -> None:
         gemm_ms = {}
         for v in [(256, 64, 8, 3, 1, 8), (128, 64, 8, 4, 2, 8)]:
             try:
-                gemm_ms[v] = bench(lambda: dh_launch(True, *v, part), warmup=50, rep=200)
+                gemm_ms[v] = bench(lambda: dh_launch(1, *v, part), warmup=50, rep=200)
                 rows.append(dict(kernel="dh split: GEMM", variant=str(v), ms=gemm_ms[v],
                                  tflops=2 * N * d * h / gemm_ms[v] / 1e9))
             except Exception as exc:  # noqa: BLE001
@@ -717,12 +717,17 @@ def micro(result, name="A") -> None:
                 part.stride(0), 1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, CHUNK_N=64, BLOCK_R=br,
                 BLOCK_N=bn, num_warps=nw, num_stages=1)
 
-        # (BLOCK_R, BLOCK_N, warps) of the epilogue over slot rows
-        for v in [(16, 256, 8), (8, 256, 4), (32, 256, 8), (16, 128, 4)]:
+        # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_N, GROUP_M): the PHASE 2 launch over plan tiles; ("rows", BLOCK_R,
+        # BLOCK_N, warps): the slot-row kernel
+        for v in [(64, 64, 8, 1, 2, 8), ("rows", 32, 256, 8), ("rows", 16, 256, 8), ("rows", 8, 256, 4),
+                  ("rows", 32, 256, 16), ("rows", 16, 128, 4), ("rows", 64, 128, 8)]:
             try:
                 def both():
-                    dh_launch(True, *gv, part)
-                    act_launch(*v)
+                    dh_launch(1, *gv, part)
+                    if v[0] == "rows":
+                        act_launch(*v[1:])
+                    else:
+                        dh_launch(2, *v, part)
                 ms12 = bench(both, warmup=20, rep=100)
                 both()
                 errs = {}

@@ -173,11 +173,8 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_gemm":  # the GEMM alone: no epilogue registers, so the 256-wide tiles of up and down fit
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_n=2)]
-    elif kind == "dh_act":  # memory-bound, over slot rows (block_m of them): one configuration, no tuning. H100,
-        # 2026-11-22, 12 bytes per element moved at C / D / A / B: 16x256, 8 warps 2.91 / 2.99 / 3.05 / 2.99 TB/s;
-        # 8x256, 4 warps the same; 32x256, 8 warps (152 registers) 2.24-2.40; the earlier launch over plan tiles
-        # (128 x 2 x 64) 2.38-2.61
-        cfgs = [KernelConfig(block_m=16, block_n=256, num_warps=8, num_stages=1)]
+    elif kind == "dh_act":  # memory-bound, over slot rows (block_m of them): one configuration, no tuning
+        cfgs = [KernelConfig(block_m=32, block_n=256, num_warps=8, num_stages=1)]
     elif kind == "down":  # H100, 2026-11-21, pointer loads, dX ms: C 1.65 / 1.60 / 2.06, D 2.06 / 2.03 / 2.52
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),

@@ -10,8 +10,7 @@ float32; overwritten, or added to with ``accumulate=True``); bias gradients are 
 Data flow (six launches, seven under "activations", + one small reduction, plus one small launch per bias)::
 
     _expert_dh_kernel   per row tile of one expert, one pass over d (under "activations" two launches: the
-                        GEMM, dH' stored into the w*H buffer, then _expert_dh_act_kernel, the epilogue over
-                        the window's slot rows, reading it back; DH_SPLIT):
+                        GEMM, dH' stored into the w*H buffer, then the epilogue reading it back; DH_SPLIT):
                           dH' = dy[tok] @ W_down[e]                (dy rows gathered on the fly)
                           A|B = x[tok] @ W_{gate|up}[e].T + b      (RECOMPUTE only, same pass over d)
                         epilogue, the activation recomputed in registers (constexpr ACT):
@@ -145,7 +144,7 @@ def _dh_epilogue(
 def _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """(pointers, mask) of hidden columns [col0, col0 + BLOCK_N) of rows [first, end) of the tile starting at slot
-    ``start`` in the window's [slot1 - slot0, h] buffer ``hw`` (where the dh GEMM alone stores dH', GEMM_ONLY)."""
+    ``start`` in the window's [slot1 - slot0, h] buffer ``hw``: where the split dh phases pass dH' (PHASE 1, 2)."""
     local = tl.arange(0, BLOCK_M)
     offs_n = col0 + tl.arange(0, BLOCK_N)
     mask = ((local >= first - start) & (local < end - start))[:, None]
@@ -200,17 +199,18 @@ def _expert_dh_kernel(
     SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    GEMM_ONLY: tl.constexpr = False,  # store dH' into hw and stop (the epilogue is _expert_dh_act_kernel's)
+    PHASE: tl.constexpr = 0,  # 0: GEMM and epilogue; 1: the GEMM only; 2: the epilogue only (see below)
 ):
     """grid = (num_tiles * cdiv(h, SPLIT_N * BLOCK_N),), over the row tiles of the slot window [slot0, slot1):
     SPLIT_N side-by-side BLOCK_M x BLOCK_N tiles of dH' per program (SPLIT_N = 2: a 128-wide tile for the
     GEMM, whose epilogue runs 64 columns at a time so its registers fit), or one tile of dH', A and B
     (RECOMPUTE, SPLIT_N = 1).
 
-    GEMM_ONLY (not RECOMPUTE): store dH' (x.dtype) into hw and stop, so that the tile is not bound by the
-    epilogue's registers; _expert_dh_act_kernel then runs the epilogue over the window's slot rows."""
+    Split in two launches (not RECOMPUTE): PHASE 1 stores dH' (x.dtype) into hw and stops, so its tile is not
+    bound by the epilogue's registers; PHASE 2 reads dH' back from hw instead of multiplying and runs the
+    epilogue, which overwrites it with w * H (each element read and written by the same program)."""
     tl.static_assert(SPLIT_N == 1 or (SPLIT_N == 2 and not RECOMPUTE))
-    tl.static_assert(not (GEMM_ONLY and RECOMPUTE))
+    tl.static_assert(PHASE == 0 or not RECOMPUTE)
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, SPLIT_N * BLOCK_N), GROUP_M)
     e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
@@ -246,44 +246,45 @@ def _expert_dh_kernel(
     acc_dh1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, d, BLOCK_K):
-        if EVEN_K:
-            g = tl.load(g_ptrs)
-            wd0 = tl.load(wd0_ptrs)
-        else:
-            k_mask = offs_k < d - k0
-            g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-            wd0 = tl.load(wd0_ptrs, mask=k_mask[:, None], other=0.0)
-        acc_dh0 = tl.dot(g, wd0, acc_dh0, input_precision=DOT_PRECISION)
-        g_ptrs += BLOCK_K * stride_g_d
-        wd0_ptrs += BLOCK_K * stride_wd_d
-        if SPLIT_N == 2:
+    if PHASE != 2:  # PHASE 2 reads dH' instead
+        for k0 in range(0, d, BLOCK_K):
             if EVEN_K:
-                wd1 = tl.load(wd1_ptrs)
+                g = tl.load(g_ptrs)
+                wd0 = tl.load(wd0_ptrs)
             else:
-                wd1 = tl.load(wd1_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_dh1 = tl.dot(g, wd1, acc_dh1, input_precision=DOT_PRECISION)
-            wd1_ptrs += BLOCK_K * stride_wd_d
-        if RECOMPUTE:
-            if EVEN_K:
-                xa = tl.load(x_ptrs)
-                wg = tl.load(wg_ptrs)
+                k_mask = offs_k < d - k0
+                g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
+                wd0 = tl.load(wd0_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_dh0 = tl.dot(g, wd0, acc_dh0, input_precision=DOT_PRECISION)
+            g_ptrs += BLOCK_K * stride_g_d
+            wd0_ptrs += BLOCK_K * stride_wd_d
+            if SPLIT_N == 2:
+                if EVEN_K:
+                    wd1 = tl.load(wd1_ptrs)
+                else:
+                    wd1 = tl.load(wd1_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_dh1 = tl.dot(g, wd1, acc_dh1, input_precision=DOT_PRECISION)
+                wd1_ptrs += BLOCK_K * stride_wd_d
+            if RECOMPUTE:
+                if EVEN_K:
+                    xa = tl.load(x_ptrs)
+                    wg = tl.load(wg_ptrs)
+                    if GATED:
+                        wu = tl.load(wu_ptrs)
+                else:
+                    xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+                    wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                    if GATED:
+                        wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
                 if GATED:
-                    wu = tl.load(wu_ptrs)
-            else:
-                xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                    acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
+                x_ptrs += BLOCK_K * stride_x_d
+                wg_ptrs += BLOCK_K * stride_wg_d
                 if GATED:
-                    wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
-            if GATED:
-                acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K * stride_x_d
-            wg_ptrs += BLOCK_K * stride_wg_d
-            if GATED:
-                wu_ptrs += BLOCK_K * stride_wu_d
+                    wu_ptrs += BLOCK_K * stride_wu_d
 
-    if GEMM_ONLY:
+    if PHASE == 1:
         io_ty = hw_ptr.dtype.element_ty
         ptrs, mask = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N,
                               EVEN_N)
@@ -293,6 +294,14 @@ def _expert_dh_kernel(
                                   BLOCK_M, BLOCK_N, EVEN_N)
             tl.store(ptrs, acc_dh1.to(io_ty), mask=mask)
         return
+    if PHASE == 2:  # both tiles read before the epilogues overwrite them
+        ptrs, mask = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N,
+                              EVEN_N)
+        acc_dh0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if SPLIT_N == 2:
+            ptrs, mask = _dh_tile(hw_ptr, col0 + BLOCK_N, start, first, end, slot0, h, stride_hw_s, stride_hw_n,
+                                  BLOCK_M, BLOCK_N, EVEN_N)
+            acc_dh1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if RECOMPUTE:  # the biases enter A|B before rounding, as in the forward
         if HAS_GATE_BIAS:
             acc_a += tl.load(gate_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
@@ -572,10 +581,9 @@ _expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", k
 _expert_dh_gemm_tuned = autotune.tuned(_expert_dh_kernel, "dh_gemm", key=["d", "h", "ACT"])
 
 # Under "activations" the dh kernel runs as two launches: its GEMM alone, storing dH' into the w*H buffer, with
-# the wide tiles that the epilogue's registers rule out; then its epilogue (_expert_dh_act_kernel), reading dH'
-# back and overwriting it with w*H. One more round trip of dH' through memory in x.dtype, and no more memory.
-# H100, raw launches, fused / split (ninth session, the epilogue over slot rows): C 1.47 / 1.19 ms,
-# D 1.89 / 1.56, A 13.45 / 11.93, B 9.36 / 8.17.
+# the wide tiles that the epilogue's registers rule out; then its epilogue, reading dH' back and overwriting it
+# with w*H. One more round trip of dH' through memory in x.dtype, and no more memory. H100, raw launches,
+# fused / split (eighth session): C 1.47 / 1.29 ms, D 1.89 / 1.66, A 13.27 / 13.03, B 9.46 / 8.63.
 # False: one fused launch (kept for comparisons; the tests keep it right).
 DH_SPLIT = True
 
@@ -753,11 +761,11 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 return (num_tiles * triton.cdiv(h, width_n),)
 
             if recompute:
-                tuned_kernel, kind = _expert_dh_recompute_tuned, "dh_recompute"
+                tuned_kernel, kind, phase = _expert_dh_recompute_tuned, "dh_recompute", 0
             elif DH_SPLIT:
-                tuned_kernel, kind = _expert_dh_gemm_tuned, "dh_gemm"
+                tuned_kernel, kind, phase = _expert_dh_gemm_tuned, "dh_gemm", 1
             else:
-                tuned_kernel, kind = _expert_dh_tuned, "dh"
+                tuned_kernel, kind, phase = _expert_dh_tuned, "dh", 0
             autotune.launch(
                 _expert_dh_kernel, tuned_kernel, kind, grid,
                 grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
@@ -775,9 +783,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
                 W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
                 RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-                GEMM_ONLY=kind == "dh_gemm",
+                PHASE=phase,
             )
-            if kind == "dh_gemm":  # the epilogue: dH' in hw -> dA|dB, w*H (in place), the <dH', H> partials
+            if phase == 1:  # the epilogue: dH' in hw -> dA|dB, w*H (in place), the <dH', H> partials
                 def act_grid(meta, n=n):
                     return (triton.cdiv(n, meta["BLOCK_R"]) * triton.cdiv(h, meta["BLOCK_N"]),)
 
