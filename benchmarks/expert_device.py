@@ -709,25 +709,12 @@ def micro(result, name="A") -> None:
         gv = min(gemm_ms, key=gemm_ms.get) if gemm_ms else (256, 64, 8, 3, 1, 8)
         moved = 12 * N * h  # bytes: dH', A, B read; dA, dB, w*H written (bf16)
         # the epilogue overwrites its input, so it is timed after the GEMM: (GEMM + epilogue) - GEMM
-        def act_launch(br, bn, nw):
-            grid = (triton.cdiv(N, br) * triton.cdiv(h, bn),)
-            expert_bwd._expert_dh_act_kernel[grid](
-                hw, preact, dpre, part, w, plan.token_index, off, N, 0, h, K, E, hw.stride(0), hw.stride(1),
-                preact.stride(0), preact.stride(1), dpre.stride(0), dpre.stride(1), w.stride(0), w.stride(1),
-                part.stride(0), 1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, CHUNK_N=64, BLOCK_R=br,
-                BLOCK_N=bn, num_warps=nw, num_stages=1)
-
-        # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_N, GROUP_M): the PHASE 2 launch over plan tiles; ("rows", BLOCK_R,
-        # BLOCK_N, warps): the slot-row kernel
-        for v in [(64, 64, 8, 1, 2, 8), ("rows", 32, 256, 8), ("rows", 16, 256, 8), ("rows", 8, 256, 4),
-                  ("rows", 32, 256, 16), ("rows", 16, 128, 4), ("rows", 64, 128, 8)]:
+        for v in [(64, 64, 8, 1, 2, 8), (64, 64, 4, 1, 2, 8), (64, 64, 4, 1, 1, 8), (128, 64, 8, 1, 1, 8),
+                  (128, 64, 8, 1, 2, 8), (64, 64, 8, 2, 2, 8)]:
             try:
                 def both():
                     dh_launch(1, *gv, part)
-                    if v[0] == "rows":
-                        act_launch(*v[1:])
-                    else:
-                        dh_launch(2, *v, part)
+                    dh_launch(2, *v, part)
                 ms12 = bench(both, warmup=20, rep=100)
                 both()
                 errs = {}

@@ -318,72 +318,6 @@ def _expert_dh_kernel(
                      ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
 
 
-@triton.heuristics({"EVEN_N": lambda a: a["h"] % a["BLOCK_N"] == 0})
-@triton.jit
-def _expert_dh_act_kernel(
-    hw_ptr,  # [n_rows, h] x.dtype: dH' of the window's slots in (the dh GEMM's output), w * H out (in place)
-    preact_ptr,  # [n_rows, 2h] or [.., h] x.dtype: the saved A|B of the window's slots
-    dpre_ptr,  # [n_rows, 2h] or [.., h] x.dtype, out: dA|dB
-    part_ptr,  # [num_chunks + spare, N] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by pair
-    weights_ptr,  # [T, K] any float dtype: routing weights
-    token_index_ptr,  # [N] int32
-    offsets_ptr,  # [E+1] int32: slots from offsets[E] on are routed nowhere (no dH' was computed for them)
-    n_rows, slot0, h, K, E,
-    stride_hw_s, stride_hw_n, stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n,
-    stride_wt_t, stride_wt_k, stride_part_c,
-    alpha, limit,
-    ACT: tl.constexpr, GATED: tl.constexpr, CHUNK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-):
-    """grid = (cdiv(n_rows, BLOCK_R) * cdiv(h, BLOCK_N),): the dh epilogue alone ("activations", after the dh GEMM
-    stored dH'), over BLOCK_R consecutive slots of the window and BLOCK_N hidden columns, column blocks fastest.
-    Rows are slots, not plan tiles: the epilogue does not depend on the expert, so there is no tile lookup, no
-    padding row, and the data loads depend on the program's id alone. Every element of dH' is read, then
-    overwritten with w * H, by the same program. Slots routed nowhere are left alone (their partials stay 0)."""
-    num_n = tl.cdiv(h, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_r = pid // num_n
-    pid_n = pid % num_n
-    local = tl.arange(0, BLOCK_R)
-    rows_here = tl.minimum(n_rows, tl.load(offsets_ptr + E) - slot0)  # the window's routed slots
-    row_mask = local < rows_here - pid_r * BLOCK_R
-    r64 = (pid_r * BLOCK_R).to(tl.int64)  # a 64-bit base per program, int32 offsets inside it
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        mask = row_mask[:, None]
-    else:
-        mask = row_mask[:, None] & (offs_n < h)[None, :]
-    hw_offs = local[:, None] * stride_hw_s + offs_n[None, :] * stride_hw_n
-    pre_offs = local[:, None] * stride_pre_s + offs_n[None, :] * stride_pre_n
-    hw_base = hw_ptr + r64 * stride_hw_s
-    pre_base = preact_ptr + r64 * stride_pre_s
-    dh = tl.load(hw_base + hw_offs, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(pre_base + pre_offs, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        b = tl.load(pre_base + h * stride_pre_n + pre_offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        b = a  # unused
-    pair = tl.load(token_index_ptr + slot0 + pid_r * BLOCK_R + local, mask=row_mask, other=0)
-    wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k, mask=row_mask,
-                 other=0.0).to(tl.float32)
-    hid, d_a, d_b = _act_backward(a, b, dh * wt[:, None], alpha, limit, ACT)
-    # <dH', H> per chunk of CHUNK_N columns (columns past h load as zeros, but H of zeros need not be zero)
-    prod = dh * hid
-    if not EVEN_N:
-        prod = tl.where(mask, prod, 0.0)
-    NCH: tl.constexpr = BLOCK_N // CHUNK_N
-    part = tl.sum(tl.reshape(prod, (BLOCK_R, NCH, CHUNK_N)), axis=2)  # [BLOCK_R, NCH]
-    chunk = pid_n * NCH + tl.arange(0, NCH)
-    tl.store(part_ptr + chunk[None, :] * stride_part_c + pair.to(tl.int64)[:, None], part, mask=row_mask[:, None])
-    io_ty = dpre_ptr.dtype.element_ty
-    dpre_base = dpre_ptr + r64 * stride_dpre_s
-    dpre_offs = local[:, None] * stride_dpre_s + offs_n[None, :] * stride_dpre_n
-    tl.store(dpre_base + dpre_offs, d_a.to(io_ty), mask=mask)
-    if GATED:
-        tl.store(dpre_base + h * stride_dpre_n + dpre_offs, d_b.to(io_ty), mask=mask)
-    tl.store(hw_base + hw_offs, (hid * wt[:, None]).to(io_ty), mask=mask)
-
-
 def _offsets_fit_int32(*tensors: Tensor) -> bool:
     """Every element offset of these 2-D tensors (rows x row stride + columns x column stride) is below 2**31."""
     return all(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) < 2 ** 31 for t in tensors)
@@ -579,6 +513,7 @@ def _expert_bias_grad_kernel(
 _expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
 _expert_dh_recompute_tuned = autotune.tuned(_expert_dh_kernel, "dh_recompute", key=["d", "h", "ACT"])
 _expert_dh_gemm_tuned = autotune.tuned(_expert_dh_kernel, "dh_gemm", key=["d", "h", "ACT"])
+_expert_dh_act_tuned = autotune.tuned(_expert_dh_kernel, "dh_act", key=["d", "h", "ACT"])
 
 # Under "activations" the dh kernel runs as two launches: its GEMM alone, storing dH' into the w*H buffer, with
 # the wide tiles that the epilogue's registers rule out; then its epilogue, reading dH' back and overwriting it
@@ -761,40 +696,30 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 return (num_tiles * triton.cdiv(h, width_n),)
 
             if recompute:
-                tuned_kernel, kind, phase = _expert_dh_recompute_tuned, "dh_recompute", 0
+                phases = [(_expert_dh_recompute_tuned, "dh_recompute", 0)]
             elif DH_SPLIT:
-                tuned_kernel, kind, phase = _expert_dh_gemm_tuned, "dh_gemm", 1
+                phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
             else:
-                tuned_kernel, kind, phase = _expert_dh_tuned, "dh", 0
-            autotune.launch(
-                _expert_dh_kernel, tuned_kernel, kind, grid,
-                grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
-                gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
-                weights, pre, dpre, hw, part[bias_rows:],
-                plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
-                win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
-                grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
-                w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
-                weights.stride(0), weights.stride(1),
-                pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
-                part.stride(0),
-                float(act.alpha), float(act.limit),
-                ACT=ACT_CODES[act.name], GATED=act.gated,
-                HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-                RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-                PHASE=phase,
-            )
-            if phase == 1:  # the epilogue: dH' in hw -> dA|dB, w*H (in place), the <dH', H> partials
-                def act_grid(meta, n=n):
-                    return (triton.cdiv(n, meta["BLOCK_R"]) * triton.cdiv(h, meta["BLOCK_N"]),)
-
+                phases = [(_expert_dh_tuned, "dh", 0)]
+            for tuned_kernel, kind, phase in phases:
                 autotune.launch(
-                    _expert_dh_act_kernel, None, "dh_act", act_grid,
-                    hw, pre, dpre, part[bias_rows:], weights, plan.token_index, plan.offsets, n, s0, h, K, E,
-                    hw.stride(0), hw.stride(1), pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1),
-                    weights.stride(0), weights.stride(1), part.stride(0), float(act.alpha), float(act.limit),
-                    ACT=ACT_CODES[act.name], GATED=act.gated, CHUNK_N=chunk,
+                    _expert_dh_kernel, tuned_kernel, kind, grid,
+                    grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,
+                    gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+                    weights, pre, dpre, hw, part[bias_rows:],
+                    plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
+                    win.num_tiles, plan.tile_expert.numel(), s0, s1, d, h, K,
+                    grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
+                    w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
+                    weights.stride(0), weights.stride(1),
+                    pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
+                    part.stride(0),
+                    float(act.alpha), float(act.limit),
+                    ACT=ACT_CODES[act.name], GATED=act.gated,
+                    HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+                    W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
+                    RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+                    PHASE=phase,
                 )
             del pre  # may alias dpre: it must not outlive the window
         if not skip:
