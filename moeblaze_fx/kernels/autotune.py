@@ -49,7 +49,7 @@ __all__ = [
     "plan_block_m",
     "kernel_configs",
     "dweights_chunk",
-    "shared_block",
+    "fit_descriptors",
     "tuned",
     "launch",
 ]
@@ -89,7 +89,22 @@ class KernelConfig:
         raise ValueError(f"unknown kernel kind {kind!r}; known: {KINDS}")
 
     def to_triton(self, kind: str) -> triton.Config:
-        return triton.Config(self.meta(kind), num_warps=self.num_warps, num_stages=self.num_stages)
+        return triton.Config(self.meta(kind), num_warps=self.num_warps, num_stages=self.num_stages,
+                             pre_hook=_fit_hook)
+
+
+def fit_descriptors(args, meta) -> None:
+    """Give every host tensor descriptor among ``args`` whose block follows the launch's configuration (it has a
+    ``block_for(meta)``) the block of ``meta``: the autotuner times candidates of different blocks on the same
+    descriptor object."""
+    for a in args:
+        fit = getattr(a, "block_for", None)
+        if fit is not None:
+            a.block_shape = fit(meta)
+
+
+def _fit_hook(nargs: dict) -> None:  # a triton.Config pre_hook: nargs holds the arguments and the config's meta
+    fit_descriptors(nargs.values(), nargs)
 
 
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)
@@ -190,16 +205,6 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     return cfgs
 
 
-def shared_block(kind: str) -> tuple[int, int]:
-    """(block_k, block_n) of every configuration a launch of ``kind`` may run with (the fixed one, or every
-    candidate's, which must agree): the block a host tensor descriptor is built with before the tuner picks."""
-    cfg = _fixed_config()
-    blocks = {(c.block_k, c.block_n) for c in ([cfg] if cfg is not None else kernel_configs(kind))}
-    if len(blocks) != 1:
-        raise ValueError(f"the {kind!r} candidates differ in (block_k, block_n): {sorted(blocks)}")
-    return blocks.pop()
-
-
 @functools.lru_cache(maxsize=None)
 def _only_config(kind: str) -> KernelConfig | None:
     """The kind's configuration when it has a single candidate (launches look this up on the host's hot path)."""
@@ -242,7 +247,9 @@ def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
     if cfg is None:  # a kind with one candidate: never through the tuner, which may run a launch many times
         cfg = _only_config(kind)
     if cfg is not None:
-        return kernel[grid](*args, **constexprs, **cfg.meta(kind), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        meta = cfg.meta(kind)
+        fit_descriptors(args, meta)
+        return kernel[grid](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if os.environ.get("MOEBLAZE_LEAN_LAUNCH", "1") == "0":
         return tuned_kernel[grid](*args, **constexprs)
     key = _launch_key(tuned_kernel, args, constexprs)
@@ -251,4 +258,5 @@ def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
         out = tuned_kernel[grid](*args, **constexprs)
         _CHOSEN[key] = tuned_kernel.best_config.all_kwargs()
         return out
+    fit_descriptors(args, chosen)
     return kernel[grid](*args, **constexprs, **chosen)

@@ -543,7 +543,8 @@ def _dw_tma(slots: Tensor) -> bool:
 
 def _transposed(t: WeightTable) -> WeightTable:
     """The same E matrices read as their transposes."""
-    return t._replace(rows=t.cols, cols=t.rows, stride_r=t.stride_c, stride_c=t.stride_r)
+    return t._replace(rows=t.cols, cols=t.rows, stride_r=t.stride_c, stride_c=t.stride_r,
+                      dense=None if t.dense is None else t.dense.transpose(1, 2))
 
 
 def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
@@ -560,9 +561,9 @@ def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: Dispatch
 
     tma = _dw_tma(slots)
     b_desc = slots
-    if tma:  # built for the one block every candidate configuration shares (the tuner picks among them later)
-        block_k, block_n = autotune.shared_block("dw")
-        b_desc = TensorDescriptor.from_tensor(slots, [block_k, block_n])
+    if tma:  # its block follows the launch's configuration (autotune.fit_descriptors)
+        b_desc = TensorDescriptor.from_tensor(slots, [16, 16])
+        b_desc.block_for = lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]
 
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
@@ -729,9 +730,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         if busy:
             dx_slots = x.new_empty((n, d))
             # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
-            down_project(dpre, h, (w.gate.ptrs, w.gate.stride_r, w.gate.stride_c),
-                         (up.ptrs, up.stride_r, up.stride_c) if act.gated else None,
-                         table_align(w.gate, w.up), d, plan, dx_slots, None, win)
+            down_project(dpre, h, w.gate, up if act.gated else None, True, d, plan, dx_slots, None, win)
         if not skip:
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
             _weight_grad(x, dpre[:, :h], _transposed(grads.gate), plan, K, accumulate, dw_window)

@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 from torch import Tensor
 
 from . import autotune
@@ -131,6 +132,16 @@ def _w_tile(desc, k0, n0, MODE: tl.constexpr):
         return desc.load([k0, n0])
     else:
         return desc.load([n0, k0]).T
+
+
+@triton.jit
+def _w_tile_of(desc, e, k0, n0, MODE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of B[e] at (k0, n0) through a host descriptor from :func:`host_weight_desc`
+    (over [E, k, n] for MODE 1, [E, n, k] for MODE 2)."""
+    if MODE == 1:
+        return desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        return desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
 
 
 @triton.jit
@@ -352,13 +363,16 @@ def _expert_up_kernel(
 
 
 @triton.jit
-def _row_tile_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_k, stride_b_n,
-                     B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+def _row_tile_k_loop(acc, a_ptrs, b_base, b_host, e, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_k, stride_b_n,
+                     B_TMA: tl.constexpr, B_HOST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     """acc += A[:, :k_dim] @ B[:k_dim, n0:n0 + BLOCK_N], BLOCK_K at a time (the tail masked unless EVEN_K);
-    B's tiles through pointers (columns ``offs_n_ld``) or, with B_TMA, a descriptor over B [k_dim, n_dim]."""
+    B's tiles through pointers (columns ``offs_n_ld``) or, with B_TMA, a descriptor over B [k_dim, n_dim]: the
+    host's ``b_host`` over every expert when B_HOST, else one built here."""
     offs_k = tl.arange(0, BLOCK_K)
-    if B_TMA:
+    if B_HOST:
+        b_desc = b_host
+    elif B_TMA:
         b_desc = _w_desc(b_base, k_dim, n_dim, stride_b_k, stride_b_n, B_TMA, BLOCK_K, BLOCK_N)
     else:
         b_ptrs = b_base + offs_k[:, None] * stride_b_k + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [BK, BN]
@@ -368,7 +382,9 @@ def _row_tile_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_
         else:
             k_mask = offs_k < k_dim - k0
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        if B_TMA:
+        if B_HOST:
+            b = _w_tile_of(b_desc, e, k0, n0, B_TMA, BLOCK_K, BLOCK_N)
+        elif B_TMA:
             b = _w_tile(b_desc, k0, n0, B_TMA)
         elif EVEN_K:
             b = tl.load(b_ptrs)
@@ -390,6 +406,7 @@ def _expert_down_kernel(
     a_ptr,  # [slot1 - slot0, k_dim] (or [.., 2*k_dim] when TWO_B), the window's slots: H or dA|dB (for dX)
     b0_table_ptr,  # [E] int64: B0[e] [k_dim, n_dim] via (stride_b0_k, stride_b0_n): W_down[e].T or W_gate[e]
     b1_table_ptr,  # [E] int64: B1[e] [k_dim, n_dim] via (stride_b1_k, stride_b1_n): W_up[e], read when TWO_B
+    b0_desc, b1_desc,  # B_HOST: host tensor descriptors of every expert's B0, B1 (else placeholders)
     bias_ptr,  # [E, n_dim] contiguous, a_ptr's dtype: added to C when HAS_BIAS (the down bias)
     c_ptr,  # [slot1 - slot0, n_dim] out, the window's slots: Y (forward) or dX per slot (backward)
     offsets_ptr,  # [E+1] int32
@@ -406,6 +423,7 @@ def _expert_down_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    B_HOST: tl.constexpr = False,  # B_TMA through b0_desc / b1_desc, not descriptors built per program
 ):
     """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e in the slot window
     [slot0, slot1), C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e]);
@@ -430,11 +448,12 @@ def _expert_down_kernel(
     n0 = pid_n * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim, n_dim,
-                           stride_a_k, stride_b0_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
+    acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0, k_dim,
+                           n_dim, stride_a_k, stride_b0_k, stride_b0_n, B_TMA, B_HOST, DOT_PRECISION, BLOCK_K, BLOCK_N,
+                           EVEN_K)
     if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
-        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN),
-                               offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA,
+        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN), b1_desc,
+                               e, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA, B_HOST,
                                DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e.to(tl.int64) * n_dim + offs_n_ld).to(tl.float32)[None, :]
@@ -687,17 +706,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[Tensor, int, int] | None,
-                 b_align: int, n_dim: int, plan: DispatchPlan, out: Tensor, bias: Tensor | None,
-                 window: SlotWindow) -> Tensor:
+def down_project(a: Tensor, k_dim: int, b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, n_dim: int,
+                 plan: DispatchPlan, out: Tensor, bias: Tensor | None, window: SlotWindow) -> Tensor:
     """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot
     of ``window``, ``a`` and ``out`` holding the window's rows from its first slot.
 
-    ``b0``/``b1`` are (pointer table, stride_k, stride_n): B[e][k, n] at ``ptrs[e] + k*stride_k + n*stride_n``."""
+    B[e][k, n] is the table's matrix e (``k_is_rows``) or its transpose."""
     num_tiles = window.num_tiles
     if num_tiles == 0 or out.numel() == 0:
         return out
     two_b = b1 is not None
+    tables = [b0, b1] if two_b else [b0]
+    kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
+    b_align = table_align(*tables)
+    mode = weight_tma_mode(kn, b_align, a.element_size(), a.device) if k_dim > 0 else 0  # h = 0: no tile to load
+    descs = [host_weight_desc(t, k_is_rows, mode) for t in tables] if mode and host_weight_descs() else [None]
+    host = all(dsc is not None for dsc in descs)
+    descs = descs + descs[-1:] if host else [b0.ptrs, b0.ptrs]  # placeholders when not read
     b1 = b1 if two_b else b0  # placeholder, never read
 
     def grid(meta):
@@ -705,15 +730,38 @@ def down_project(a: Tensor, k_dim: int, b0: tuple[Tensor, int, int], b1: tuple[T
 
     autotune.launch(
         _expert_down_kernel, _expert_down_tuned, "down", grid,
-        a, b0[0], b1[0], bias if bias is not None else a, out, plan.offsets, plan.tile_expert, plan.tile_start,
-        window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0, window.slot1, n_dim, k_dim,
-        a.stride(0), a.stride(1), b0[1], b0[2], b1[1], b1[2], out.stride(0), out.stride(1),
-        TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align,
-        B_TMA=weight_tma_mode([b0[1:], b1[1:]] if two_b else [b0[1:]], b_align, a.element_size(), a.device)
-        if k_dim > 0 else 0,  # h = 0 (a down bias alone): no tile to load
+        a, b0.ptrs, b1.ptrs, descs[0], descs[1], bias if bias is not None else a, out, plan.offsets,
+        plan.tile_expert, plan.tile_start, window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0,
+        window.slot1, n_dim, k_dim, a.stride(0), a.stride(1), *kn[0], *kn[-1], out.stride(0), out.stride(1),
+        TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align, B_TMA=mode, B_HOST=host,
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out
+
+
+def host_weight_descs() -> bool:
+    """Whether the down kernel reads its weight tiles through one host-built descriptor per table (tables of
+    one [E, r, c] tensor) rather than one built by every program; ``MOEBLAZE_HOST_WEIGHT_DESC=0``: never
+    (read at every launch, as ``MOEBLAZE_TMA``)."""
+    return os.environ.get("MOEBLAZE_HOST_WEIGHT_DESC", "1") != "0"
+
+
+def host_weight_desc(table: WeightTable, k_is_rows: bool, mode: int) -> "TensorDescriptor | None":
+    """A tensor descriptor over every expert's B[e][k, n] of ``table`` (B = the matrix when ``k_is_rows``, else
+    its transpose), laid out for ``mode`` (:func:`weight_tma_mode`: 1 = n contiguous, 2 = k contiguous): over
+    [E, k, n] or [E, n, k]. Its block follows the launch's configuration (``autotune.fit_descriptors``). None
+    when the table is not one [E, r, c] tensor whose expert stride a descriptor can take."""
+    dense = table.dense
+    if dense is None or mode == 0 or (dense.stride(0) * dense.element_size()) % 16 or dense.data_ptr() % 16:
+        return None
+    kn = dense if k_is_rows else dense.transpose(1, 2)
+    view = kn if mode == 1 else kn.transpose(1, 2)
+    if view.stride(2) != 1:
+        return None
+    desc = TensorDescriptor(view, list(view.shape), list(view.stride()), [1, 16, 16])
+    desc.block_for = (lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]]) if mode == 1 else (
+        lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
+    return desc
 
 
 def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
@@ -797,8 +845,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
             del pre  # may alias hid: it must not outlive the window
         y_slots = x.new_empty((n, d))  # transient: the window's Y
         # Y = H @ W_down[e].T (+ b_down[e]): B[e][k, n] = W_down[e][n, k]
-        down_project(hid, h, (w.down.ptrs, w.down.stride_c, w.down.stride_r), None, table_align(w.down), d, plan,
-                     y_slots, down_bias, win)
+        down_project(hid, h, w.down, None, False, d, plan, y_slots, down_bias, win)
         del hid
         combine(y_slots, weights, plan.slot_of, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots

@@ -38,6 +38,9 @@ class WeightTable(NamedTuple):
     # bytes: a power of two <= 16 dividing every address in ptrs. A pointer loaded from a table carries
     # no alignment the compiler can see; the kernels assert this much so weight tiles load 16 bytes at a time.
     align: int = 1
+    # the [E, rows, cols] tensor the table addresses, when it is one (table_of): the host can then describe
+    # every expert's matrix with one tensor descriptor
+    dense: Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -60,7 +63,7 @@ def table_of(w: Tensor) -> WeightTable:
     E, r, c = w.shape
     ptrs = torch.arange(E, device=w.device, dtype=torch.int64) * (w.stride(0) * w.element_size()) + w.data_ptr()
     align = math.gcd(16, w.data_ptr(), w.stride(0) * w.element_size() if E > 1 else 0)
-    return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, align)
+    return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, align, w)
 
 
 @functools.lru_cache(maxsize=256)

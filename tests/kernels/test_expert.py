@@ -786,15 +786,24 @@ def test_slot_windows_bound_the_backward_transients_cuda(policy):
     del out
 
 
-def test_shared_block_is_what_every_candidate_runs(monkeypatch):
-    # The dW kernel's host descriptor is built before the tuner picks a configuration: its block must be the
-    # one every candidate (or the fixed configuration) uses, and a kind whose candidates differ is refused.
+def test_host_descriptors_take_the_launch_block(monkeypatch):
+    # Host-built descriptors (the dW slot operand, the down kernel's weights) are made before the tuner picks a
+    # configuration: every launch path gives them the block of the configuration it runs, the tuner's
+    # candidates included (their pre_hook).
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    desc = TensorDescriptor.from_tensor(torch.zeros(64, 64), [16, 16])
+    desc.block_for = lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((list(args[0].block_shape), kwargs))
+
     monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=64,block_k=16")
-    assert autotune.shared_block("dw") == (16, 64)
-    monkeypatch.delenv(autotune.ENV_VAR)
-    monkeypatch.setattr(autotune, "interpreting", lambda: False)
-    assert autotune.shared_block("dw") == {(c.block_k, c.block_n) for c in autotune.kernel_configs("dw")}.pop()
-    two = [autotune.KernelConfig(block_n=256, block_k=64), autotune.KernelConfig(block_n=128, block_k=64)]
-    monkeypatch.setattr(autotune, "kernel_configs", lambda kind: two)
-    with pytest.raises(ValueError, match="differ in"):
-        autotune.shared_block("dw")
+    autotune.launch(Kernel(), None, "dw", lambda meta: (1,), desc, 3)
+    assert seen[-1][0] == [16, 64]
+    for cfg in autotune.kernel_configs("down"):
+        tc = cfg.to_triton("down")
+        tc.pre_hook(dict(tc.all_kwargs(), b0_desc=desc, n_dim=3))
+        assert desc.block_shape == [cfg.block_k, cfg.block_n]
+    autotune.fit_descriptors([torch.zeros(1), 3], {"BLOCK_K": 1})  # other arguments are left alone
