@@ -604,7 +604,7 @@ def micro(result, name="A") -> None:
             dk = max(bk, int(d * kf) // bk * bk)
             try:
                 ms = bench(lambda: expert_fwd._expert_up_kernel[grid](
-                    x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
+                    x, g_t.ptrs, u_t.ptrs, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
                     tile0, num_tiles, num_tiles, 0, N, dk, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
                     u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
                     1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,
@@ -629,14 +629,14 @@ def micro(result, name="A") -> None:
                         num_warps=nw, num_stages=ns)
             try:
                 ms_y = bench(lambda: expert_fwd._expert_down_kernel[grid](
-                    hid, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
+                    hid, d_t.ptrs, d_t.ptrs, d_t.ptrs, d_t.ptrs, hid, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
                     num_tiles, 0, N, d, hk, hid.stride(0), hid.stride(1), d_t.stride_c, d_t.stride_r, d_t.stride_c,
                     d_t.stride_r, y_slots.stride(0), y_slots.stride(1), TWO_B=False,
                     B_ALIGN=expert_fwd.table_align(d_t), B_TMA=down_mode if tma else 0, **meta), warmup=50, rep=200)
                 down_ref = y_slots.clone() if down_ref is None else down_ref
                 same_y = bool(torch.equal(y_slots, down_ref))
                 ms_dx = bench(lambda: expert_fwd._expert_down_kernel[grid](
-                    dpre, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
+                    dpre, g_t.ptrs, u_t.ptrs, g_t.ptrs, u_t.ptrs, dpre, y_slots, off, plan.tile_expert, plan.tile_start, tile0, num_tiles,
                     num_tiles, 0, N, d, hk, dpre.stride(0), dpre.stride(1), g_t.stride_r, g_t.stride_c, u_t.stride_r,
                     u_t.stride_c, y_slots.stride(0), y_slots.stride(1), TWO_B=True,
                     B_ALIGN=expert_fwd.table_align(g_t, u_t), B_TMA=dx_mode if tma else 0, **meta), warmup=50, rep=200)
