@@ -604,7 +604,7 @@ def micro(result, name="A") -> None:
             dk = max(bk, int(d * kf) // bk * bk)
             try:
                 ms = bench(lambda: expert_fwd._expert_up_kernel[grid](
-                    x, g_t.ptrs, u_t.ptrs, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
+                    x, g_t.ptrs, u_t.ptrs, x, x, hid, pre_out, plan.token_index, off, plan.tile_expert, plan.tile_start,
                     tile0, num_tiles, num_tiles, 0, N, dk, h, K, x.stride(0), x.stride(1), g_t.stride_r, g_t.stride_c,
                     u_t.stride_r, u_t.stride_c, hid.stride(0), hid.stride(1), pre_out.stride(0), pre_out.stride(1),
                     1.0, 0.0, ACT=expert_fwd.ACT_CODES["swiglu"], GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False,

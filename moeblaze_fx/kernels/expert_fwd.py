@@ -248,7 +248,6 @@ def _expert_up_kernel(
     x_ptr,  # [T, d] x.dtype: tokens, rows read through token_index
     gate_table_ptr,  # [E] int64: byte address of W_gate[e] [h, d] (x.dtype), strides (stride_wg_n, stride_wg_d)
     up_table_ptr,  # [E] int64: W_up[e] [h, d], read when GATED
-    wg_desc, wu_desc,  # W_HOST: host tensor descriptors of every expert's W_gate, W_up (else placeholders)
     gate_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_GATE_BIAS
     up_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_UP_BIAS
     hid_ptr,  # [slot1 - slot0, h] x.dtype, out: H = act(A, B), the window's slots
@@ -273,7 +272,6 @@ def _expert_up_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    W_HOST: tl.constexpr = False,  # W_TMA through wg_desc / wu_desc, not descriptors built per program
 ):
     """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of A (and of B) per program, over
     the row tiles of the slot window [slot0, slot1) (num_tiles: a bound on their count)."""
@@ -299,11 +297,10 @@ def _expert_up_kernel(
     wg_base = _table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
     if GATED:
         wu_base = _table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
-    if W_TMA:  # B[k, n] = W[e][n, k]; columns past h and k past d read as zeros. W_HOST: the host's descriptors
-        if not W_HOST:
-            wg_desc = _w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
-            if GATED:
-                wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
+    if W_TMA:  # B[k, n] = W[e][n, k]; columns past h and k past d read as zeros
+        wg_desc = _w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
+        if GATED:
+            wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
     else:
         wg_ptrs = wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d  # [BK, BN]
         if GATED:
@@ -317,11 +314,7 @@ def _expert_up_kernel(
         else:
             k_mask = offs_k < d - k0
             xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        if W_HOST:
-            wg = _w_tile_of(wg_desc, e, k0, pid_n * BLOCK_N, W_TMA, BLOCK_K, BLOCK_N)
-            if GATED:
-                wu = _w_tile_of(wu_desc, e, k0, pid_n * BLOCK_N, W_TMA, BLOCK_K, BLOCK_N)
-        elif W_TMA:
+        if W_TMA:
             wg = _w_tile(wg_desc, k0, pid_n * BLOCK_N, W_TMA)
             if GATED:
                 wu = _w_tile(wu_desc, k0, pid_n * BLOCK_N, W_TMA)
@@ -727,7 +720,10 @@ def down_project(a: Tensor, k_dim: int, b0: WeightTable, b1: WeightTable | None,
     kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
     b_align = table_align(*tables)
     mode = weight_tma_mode(kn, b_align, a.element_size(), a.device) if k_dim > 0 else 0  # h = 0: no tile to load
-    descs, host = _host_descs(tables, k_is_rows, mode)
+    descs = [host_weight_desc(t, k_is_rows, mode) for t in tables] if mode and host_weight_descs() else [None]
+    host = all(dsc is not None for dsc in descs)
+    descs = descs + descs[-1:] if host else [b0.ptrs, b0.ptrs]  # [B0's, B1's] (B0's twice for one table), or
+    # placeholders, never read
     b1 = b1 if two_b else b0  # placeholder, never read
 
     def grid(meta):
@@ -745,19 +741,12 @@ def down_project(a: Tensor, k_dim: int, b0: WeightTable, b1: WeightTable | None,
 
 
 def host_weight_descs() -> bool:
-    """Whether the up and down kernels read their weight tiles through one host-built descriptor per table
-    (tables of one [E, r, c] tensor) rather than one built by every program; ``MOEBLAZE_HOST_WEIGHT_DESC=0``:
-    never (read at every launch, as ``MOEBLAZE_TMA``)."""
+    """Whether the down kernel reads its weight tiles through one host-built descriptor per table (tables of
+    one [E, r, c] tensor) rather than one built by every program; ``MOEBLAZE_HOST_WEIGHT_DESC=0``: never
+    (read at every launch, as ``MOEBLAZE_TMA``). H100, layer step, device time of the down launches (Y and dX)
+    with / without: C 2.28 / 2.38 ms, D 2.68 / 2.82, A 17.18 / 17.49 (benchmarks/RESULTS.md, ninth session). The
+    up kernel keeps its per-program descriptors: through the host's it was 5 % slower at C (3 % faster at D)."""
     return os.environ.get("MOEBLAZE_HOST_WEIGHT_DESC", "1") != "0"
-
-
-def _host_descs(tables: list[WeightTable], k_is_rows: bool, mode: int) -> tuple[list, bool]:
-    """(two kernel arguments, whether they are host descriptors): one descriptor per table (the second
-    repeating the first when there is one table), or two placeholders when any table cannot have one."""
-    descs = [host_weight_desc(t, k_is_rows, mode) for t in tables] if mode and host_weight_descs() else [None]
-    if any(dsc is None for dsc in descs):
-        return [tables[0].ptrs, tables[0].ptrs], False
-    return (descs * 2)[:2] if len(descs) == 1 else descs[:2], True
 
 
 def host_weight_desc(table: WeightTable, k_is_rows: bool, mode: int) -> "TensorDescriptor | None":
@@ -830,10 +819,6 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
     if h == 0 and down_bias is None:  # every expert maps to zero
         return out.zero_(), preact
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
-    # the up kernel's weight tiles: B[e][k, n] = W[e][n, k] (k along the tables' columns)
-    w_mode = weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], table_align(w.gate, w.up),
-                             x.element_size(), x.device)
-    w_descs, w_host = _host_descs([w.gate, up], False, w_mode)
     for i, win in enumerate(slot_windows(plan, window_slots)):
         n = win.slot1 - win.slot0
         hid = x.new_empty((n, h))  # transient: the window's H
@@ -845,7 +830,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
 
             autotune.launch(
                 _expert_up_kernel, _expert_up_tuned, "up", grid,
-                x, w.gate.ptrs, up.ptrs, *w_descs,
+                x, w.gate.ptrs, up.ptrs,
                 gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
                 hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
                 win.num_tiles, plan.tile_expert.numel(), win.slot0, win.slot1, d, h, K,
@@ -856,7 +841,9 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
                 float(act.alpha), float(act.limit),
                 ACT=ACT_CODES[act.name], GATED=act.gated,
                 HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                W_ALIGN=table_align(w.gate, w.up), W_TMA=w_mode, W_HOST=w_host,
+                W_ALIGN=table_align(w.gate, w.up),
+                W_TMA=weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], table_align(w.gate, w.up),
+                                      x.element_size(), x.device),
                 SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
             )
             del pre  # may alias hid: it must not outlive the window
