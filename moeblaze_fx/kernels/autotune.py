@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "ENV_VAR",
@@ -50,6 +51,7 @@ __all__ = [
     "kernel_configs",
     "dweights_chunk",
     "fit_descriptors",
+    "fitted_descriptor",
     "tuned",
     "launch",
 ]
@@ -101,6 +103,14 @@ def fit_descriptors(args, meta) -> None:
         fit = getattr(a, "block_for", None)
         if fit is not None:
             a.block_shape = fit(meta)
+
+
+def fitted_descriptor(t: torch.Tensor, block_for):
+    """A host tensor descriptor over ``t`` whose block is set at each launch to ``block_for(meta)`` of the
+    configuration launched (:func:`fit_descriptors`): built before the tuner picks a configuration."""
+    desc = TensorDescriptor(t, list(t.shape), list(t.stride()), [16] * t.dim())  # a valid block until fitted
+    desc.block_for = block_for
+    return desc
 
 
 def _fit_hook(nargs: dict) -> None:  # a triton.Config pre_hook: nargs holds the arguments and the config's meta

@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune
 from .autotune import plan_block_m
@@ -57,6 +56,7 @@ from .expert_fwd import (
     check_expert_inputs,
     combine,
     dot_precision,
+    down_operand,
     down_project,
     slot_windows,
     table_align,
@@ -560,10 +560,7 @@ def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: Dispatch
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     tma = _dw_tma(slots)
-    b_desc = slots
-    if tma:  # its block follows the launch's configuration (autotune.fit_descriptors)
-        b_desc = TensorDescriptor.from_tensor(slots, [16, 16])
-        b_desc.block_for = lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]
+    b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]) if tma else slots
 
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
@@ -683,6 +680,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None else None
 
     windows = slot_windows(plan, window_slots)
+    # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
+    w_dx = down_operand(w.gate, w.up, True, h, x)
     for i, win in enumerate(windows):
         s0, s1 = win.slot0, win.slot1
         n = s1 - s0
@@ -729,8 +728,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         del hw
         if busy:
             dx_slots = x.new_empty((n, d))
-            # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
-            down_project(dpre, h, w.gate, up if act.gated else None, True, d, plan, dx_slots, None, win)
+            down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
         if not skip:
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
             _weight_grad(x, dpre[:, :h], _transposed(grads.gate), plan, K, accumulate, dw_window)

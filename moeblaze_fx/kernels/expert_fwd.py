@@ -63,7 +63,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 from torch import Tensor
 
 from . import autotune
@@ -706,35 +705,50 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def down_project(a: Tensor, k_dim: int, b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, n_dim: int,
-                 plan: DispatchPlan, out: Tensor, bias: Tensor | None, window: SlotWindow) -> Tensor:
-    """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot
-    of ``window``, ``a`` and ``out`` holding the window's rows from its first slot.
+class DownOperand(NamedTuple):
+    """The B operand of the down kernel, resolved once per forward or backward call (not per window):
+    B0[e] (and B1[e] for dX) [k, n], the tables' matrices (``k_is_rows``) or their transposes."""
 
-    B[e][k, n] is the table's matrix e (``k_is_rows``) or its transpose."""
+    ptrs: tuple[Tensor, Tensor]  # B0's and B1's pointer tables (B0's again for one table)
+    strides: tuple[int, int, int, int]  # (stride_k, stride_n) of B0, then of B1
+    two_b: bool
+    align: int  # table_align of the tables
+    mode: int  # weight_tma_mode: 0 pointers, 1 / 2 descriptors
+    descs: tuple  # host tensor descriptors of B0, B1 when ``host``, else placeholders
+    host: bool
+
+
+def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim: int, x: Tensor) -> DownOperand:
+    """Resolve the down kernel's B operand (see :class:`DownOperand`) for inputs like ``x``."""
+    tables = [b0, b1] if b1 is not None else [b0, b0]
+    kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
+    align = table_align(b0, b1)
+    mode = weight_tma_mode(kn[:1] if b1 is None else kn, align, x.element_size(), x.device) if k_dim > 0 else 0
+    d0 = host_weight_desc(b0, k_is_rows, mode) if mode and host_weight_descs() else None
+    d1 = host_weight_desc(b1, k_is_rows, mode) if d0 is not None and b1 is not None else d0
+    host = d1 is not None
+    return DownOperand((tables[0].ptrs, tables[1].ptrs), (*kn[0], *kn[1]), b1 is not None, align, mode,
+                       (d0, d1) if host else (b0.ptrs, b0.ptrs), host)
+
+
+def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: DispatchPlan, out: Tensor,
+                 bias: Tensor | None, window: SlotWindow) -> Tensor:
+    """out[slot] = a[slot, :k_dim] @ B0[e] (+ a[slot, k_dim:2k_dim] @ B1[e]) (+ bias[e]) for every routed slot
+    of ``window``, ``a`` and ``out`` holding the window's rows from its first slot; ``b`` from
+    :func:`down_operand`."""
     num_tiles = window.num_tiles
     if num_tiles == 0 or out.numel() == 0:
         return out
-    two_b = b1 is not None
-    tables = [b0, b1] if two_b else [b0]
-    kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
-    b_align = table_align(*tables)
-    mode = weight_tma_mode(kn, b_align, a.element_size(), a.device) if k_dim > 0 else 0  # h = 0: no tile to load
-    descs = [host_weight_desc(t, k_is_rows, mode) for t in tables] if mode and host_weight_descs() else [None]
-    host = all(dsc is not None for dsc in descs)
-    descs = descs + descs[-1:] if host else [b0.ptrs, b0.ptrs]  # [B0's, B1's] (B0's twice for one table), or
-    # placeholders, never read
-    b1 = b1 if two_b else b0  # placeholder, never read
 
     def grid(meta):
         return (num_tiles * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     autotune.launch(
         _expert_down_kernel, _expert_down_tuned, "down", grid,
-        a, b0.ptrs, b1.ptrs, descs[0], descs[1], bias if bias is not None else a, out, plan.offsets,
+        a, *b.ptrs, *b.descs, bias if bias is not None else a, out, plan.offsets,
         plan.tile_expert, plan.tile_start, window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0,
-        window.slot1, n_dim, k_dim, a.stride(0), a.stride(1), *kn[0], *kn[-1], out.stride(0), out.stride(1),
-        TWO_B=two_b, HAS_BIAS=bias is not None, B_ALIGN=b_align, B_TMA=mode, B_HOST=host,
+        window.slot1, n_dim, k_dim, a.stride(0), a.stride(1), *b.strides, out.stride(0), out.stride(1),
+        TWO_B=b.two_b, HAS_BIAS=bias is not None, B_ALIGN=b.align, B_TMA=b.mode, B_HOST=b.host,
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out
@@ -743,29 +757,25 @@ def down_project(a: Tensor, k_dim: int, b0: WeightTable, b1: WeightTable | None,
 def host_weight_descs() -> bool:
     """Whether the down kernel reads its weight tiles through one host-built descriptor per table (tables of
     one [E, r, c] tensor) rather than one built by every program; ``MOEBLAZE_HOST_WEIGHT_DESC=0``: never
-    (read at every launch, as ``MOEBLAZE_TMA``). H100, layer step, device time of the down launches (Y and dX)
+    (read at every call, as ``MOEBLAZE_TMA``). H100, layer step, device time of the down launches (Y and dX)
     with / without: C 2.28 / 2.38 ms, D 2.68 / 2.82, A 17.18 / 17.49 (benchmarks/RESULTS.md, ninth session). The
     up kernel keeps its per-program descriptors: through the host's it was 5 % slower at C (3 % faster at D)."""
     return os.environ.get("MOEBLAZE_HOST_WEIGHT_DESC", "1") != "0"
 
 
-def host_weight_desc(table: WeightTable, k_is_rows: bool, mode: int) -> "TensorDescriptor | None":
+def host_weight_desc(table: WeightTable, k_is_rows: bool, mode: int):
     """A tensor descriptor over every expert's B[e][k, n] of ``table`` (B = the matrix when ``k_is_rows``, else
-    its transpose), laid out for ``mode`` (:func:`weight_tma_mode`: 1 = n contiguous, 2 = k contiguous): over
-    [E, k, n] or [E, n, k]. Its block follows the launch's configuration (``autotune.fit_descriptors``). None
-    when the table is not one [E, r, c] tensor whose expert stride a descriptor can take."""
+    its transpose), laid out for ``mode`` (:func:`weight_tma_mode`, which has proven the unit stride, the other
+    stride's and the base's alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows
+    the launch's configuration. None when the table is not one non-empty [E, r, c] tensor or its expert stride
+    is not 16-byte aligned."""
     dense = table.dense
-    if dense is None or mode == 0 or dense.numel() == 0 or (dense.stride(0) * dense.element_size()) % 16 \
-            or dense.data_ptr() % 16:
+    if dense is None or mode == 0 or dense.numel() == 0 or (dense.stride(0) * dense.element_size()) % 16:
         return None  # (a descriptor's shape must be positive)
     kn = dense if k_is_rows else dense.transpose(1, 2)
-    view = kn if mode == 1 else kn.transpose(1, 2)
-    if view.stride(2) != 1:
-        return None
-    desc = TensorDescriptor(view, list(view.shape), list(view.stride()), [1, 16, 16])
-    desc.block_for = (lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]]) if mode == 1 else (
-        lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
-    return desc
+    if mode == 1:
+        return autotune.fitted_descriptor(kn, lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]])
+    return autotune.fitted_descriptor(kn.transpose(1, 2), lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
 
 
 def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
@@ -819,6 +829,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
     if h == 0 and down_bias is None:  # every expert maps to zero
         return out.zero_(), preact
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
+    w_down = down_operand(w.down, None, False, h, x)  # Y = H @ W_down[e].T: B[e][k, n] = W_down[e][n, k]
     for i, win in enumerate(slot_windows(plan, window_slots)):
         n = win.slot1 - win.slot0
         hid = x.new_empty((n, h))  # transient: the window's H
@@ -848,8 +859,8 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
             )
             del pre  # may alias hid: it must not outlive the window
         y_slots = x.new_empty((n, d))  # transient: the window's Y
-        # Y = H @ W_down[e].T (+ b_down[e]): B[e][k, n] = W_down[e][n, k]
-        down_project(hid, h, w.down, None, False, d, plan, y_slots, down_bias, win)
+        # Y = H @ W_down[e].T (+ b_down[e])
+        down_project(hid, h, w_down, d, plan, y_slots, down_bias, win)
         del hid
         combine(y_slots, weights, plan.slot_of, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots

@@ -789,9 +789,7 @@ def test_host_descriptors_take_the_launch_block(monkeypatch):
     # Host-built descriptors (the dW slot operand, the down kernel's weights) are made before the tuner picks a
     # configuration: every launch path gives them the block of the configuration it runs, the tuner's
     # candidates included (their pre_hook).
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    desc = TensorDescriptor.from_tensor(torch.zeros(64, 64), [16, 16])
-    desc.block_for = lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]
+    desc = autotune.fitted_descriptor(torch.zeros(64, 64), lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]])
     seen = []
 
     class Kernel:
