@@ -117,6 +117,9 @@ MICRO_KERNELS = os.environ.get("MB_MICRO_KERNELS", "dw,up,dh").split(",")  # "up
 # sums: only the times mean anything. A straight-line fit t = a + b * k gives the part of a launch that does not
 # grow with k: the tiles' prologues and epilogues (what overlapping them could save at most).
 KFRACS = [float(f) for f in os.environ.get("MB_MICRO_KFRACS", "1").split(",")]
+# MB_MICRO_GM=8,16,32: time only the named variants of up, down and dW, each with these GROUP_M values (how many
+# row tiles the programs running together share; larger groups re-read each weight column fewer times).
+GROUPS = [int(g) for g in os.environ.get("MB_MICRO_GM", "").split(",") if g]
 
 
 def _k_sweep(variants, index):
@@ -124,6 +127,13 @@ def _k_sweep(variants, index):
     if KFRACS == [1.0]:
         return [(v, 1.0) for v in variants]
     return [(variants[index], f) for f in KFRACS]
+
+
+def _gm_sweep(variants, picks, gm_field):
+    """The variants at ``picks`` with GROUP_M (field ``gm_field``) set to each of GROUPS; all variants without it."""
+    if not GROUPS:
+        return variants
+    return [variants[i][:gm_field] + (g,) + variants[i][gm_field + 1:] for i in picks for g in GROUPS]
 
 
 POLICIES = ("activations", "recompute")
@@ -544,8 +554,8 @@ def micro(result, name="A") -> None:
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptor for the slot operand, 32-bit row offsets
     # (None: the heuristic)). The gathered rows' indices take a stage: 7 and 5 stages hold 4 and 3 tile buffers.
     # dW_gate runs transposed, (x[tok].T @ dA).T, as the operator does.
-    variants = [(128, 256, 64, 8, 7, 8, True, None), (128, 256, 64, 8, 5, 8, True, None),
-                (128, 256, 64, 8, 5, 8, False, None)]
+    variants = _gm_sweep([(128, 256, 64, 8, 7, 8, True, None), (128, 256, 64, 8, 5, 8, True, None),
+                          (128, 256, 64, 8, 5, 8, False, None)], [0], 5)
     if "dw" in MICRO_KERNELS:
         base = None
         for v in variants:
@@ -597,9 +607,9 @@ def micro(result, name="A") -> None:
                                              expert_fwd.table_align(g_t, u_t), 2, x.device)
         log(f"descriptor modes: up {up_mode}, down {down_mode}, dX {dx_mode}")
         # (BLOCK_N, BLOCK_K, warps, stages, GROUP_M, descriptors for the weights)
-        for (bn, bk, nw, ns, gm, tma), kf in _k_sweep(
+        for (bn, bk, nw, ns, gm, tma), kf in _k_sweep(_gm_sweep(
                 [(128, 64, 8, 3, 8, False), (128, 64, 8, 3, 8, True), (128, 64, 8, 4, 8, False), (128, 64, 8, 4, 8, True),
-                 (64, 64, 4, 4, 8, True), (128, 128, 8, 2, 8, True)], 3):
+                 (64, 64, 4, 4, 8, True), (128, 128, 8, 2, 8, True)], [1, 3], 4), 3):
             grid = (num_tiles * triton.cdiv(h, bn),)
             dk = max(bk, int(d * kf) // bk * bk)
             try:
@@ -620,9 +630,9 @@ def micro(result, name="A") -> None:
         y_slots = torch.empty(N, d, device=DEVICE, dtype=DTYPE)
         # down: forward Y = H @ W_down.T (k = h), backward dX = dA @ W_gate + dB @ W_up (k = 2 x h)
         down_ref = None
-        for (bn, bk, nw, ns, gm, tma), kf in _k_sweep(
+        for (bn, bk, nw, ns, gm, tma), kf in _k_sweep(_gm_sweep(
                 [(256, 64, 8, 3, 8, False), (256, 64, 8, 3, 8, True), (256, 64, 8, 4, 8, False), (256, 64, 8, 4, 8, True),
-                 (128, 64, 8, 4, 8, True), (128, 128, 8, 3, 8, True)], 1):
+                 (128, 64, 8, 4, 8, True), (128, 128, 8, 3, 8, True)], [1], 4), 1):
             grid = (num_tiles * triton.cdiv(d, bn),)
             hk = max(bk, int(h * kf) // bk * bk)
             meta = dict(HAS_BIAS=False, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
