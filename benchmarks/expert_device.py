@@ -18,7 +18,8 @@ Writes OUTDIR/expert_device.json and OUTDIR/expert_device.md; prints a short tab
 Environment: MB_PARTS (default ``small,features,accumulate,configs``), MB_FEATURES_PIN (the kernel config the
 ``features`` part runs under; empty: autotuned), MB_BUDGET_S (no new config A-D past this), MB_CONFIGS (which of A-D,
 in that order; default all), MB_MICRO=A,C (raw kernel variants at those configs), MB_MICRO_KFRACS=1,0.5,0.25 (with MB_MICRO:
-one variant of up, down and dh at shortened contractions, see KFRACS), MB_DRYRUN=1 (a CPU smoke test of this script under
+one variant of up, down and dh at shortened contractions, see KFRACS), MB_MICRO_GM=8,16,32 (with MB_MICRO: named
+variants of up, down and dW at each GROUP_M, see GROUPS), MB_DRYRUN=1 (a CPU smoke test of this script under
 the Triton interpreter).
 
 Weights are read and weight gradients written through per-expert pointer tables (``kernels.tables``);
