@@ -121,6 +121,8 @@ KFRACS = [float(f) for f in os.environ.get("MB_MICRO_KFRACS", "1").split(",")]
 # MB_MICRO_GM=8,16,32: time only the named variants of up, down and dW, each with these GROUP_M values (how many
 # row tiles the programs running together share; larger groups re-read each weight column fewer times).
 GROUPS = [int(g) for g in os.environ.get("MB_MICRO_GM", "").split(",") if g]
+if GROUPS and KFRACS != [1.0]:
+    raise SystemExit("MB_MICRO_GM and MB_MICRO_KFRACS each pick the variants to time: set one of them")
 
 
 def _k_sweep(variants, index):
