@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import autotune
+from . import autotune, down_sm90
 from .autotune import plan_block_m
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
 from .tables import ExpertTables, WeightTable
@@ -716,6 +716,7 @@ class DownOperand(NamedTuple):
     mode: int  # weight_tma_mode: 0 pointers, 1 / 2 descriptors
     descs: tuple  # host tensor descriptors of B0, B1 when ``host``, else placeholders
     host: bool
+    sm90: "down_sm90.Sm90Weights | None"  # the Gluon kernel's view of B0, B1 when it may take the launches
 
 
 def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim: int, x: Tensor) -> DownOperand:
@@ -727,8 +728,13 @@ def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim
     d0 = host_weight_desc(b0, k_is_rows, mode) if mode and host_weight_descs() else None
     d1 = host_weight_desc(b1, k_is_rows, mode) if d0 is not None and b1 is not None else d0
     host = d1 is not None
+    v0 = _desc_view(b0, k_is_rows, mode) if mode else None
+    v1 = _desc_view(b1, k_is_rows, mode) if v0 is not None and b1 is not None else None
+    sm90 = None
+    if v0 is not None and (b1 is None or v1 is not None) and x.is_cuda:
+        sm90 = down_sm90.weights(v0, v1, mode == 2, k_dim)
     return DownOperand((tables[0].ptrs, tables[1].ptrs), (*kn[0], *kn[1]), b1 is not None, align, mode,
-                       (d0, d1) if host else (b0.ptrs, b0.ptrs), host)
+                       (d0, d1) if host else (b0.ptrs, b0.ptrs), host, sm90)
 
 
 def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: DispatchPlan, out: Tensor,
@@ -739,6 +745,8 @@ def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: Dispat
     num_tiles = window.num_tiles
     if num_tiles == 0 or out.numel() == 0:
         return out
+    if b.sm90 is not None and down_sm90.usable(a, out, plan_block_m()):
+        return down_sm90.down_sm90(a, b.sm90, k_dim, n_dim, plan, out, bias, window)
 
     def grid(meta):
         return (num_tiles * triton.cdiv(n_dim, meta["BLOCK_N"]),)
@@ -769,13 +777,23 @@ def host_weight_desc(table: WeightTable, k_is_rows: bool, mode: int):
     stride's and the base's alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows
     the launch's configuration. None when the table is not one non-empty [E, r, c] tensor or its expert stride
     is not 16-byte aligned."""
+    view = _desc_view(table, k_is_rows, mode)
+    if view is None:
+        return None
+    if mode == 1:
+        return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]])
+    return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
+
+
+def _desc_view(table: WeightTable, k_is_rows: bool, mode: int) -> Tensor | None:
+    """The [E, k, n] (mode 1) or [E, n, k] (mode 2) view of the table's one [E, r, c] tensor that a descriptor of
+    every expert's B[e] is built over (unit last stride); None when there is no such tensor, it is empty or its
+    expert stride is not 16-byte aligned."""
     dense = table.dense
     if dense is None or mode == 0 or dense.numel() == 0 or (dense.stride(0) * dense.element_size()) % 16:
         return None  # (a descriptor's shape must be positive)
     kn = dense if k_is_rows else dense.transpose(1, 2)
-    if mode == 1:
-        return autotune.fitted_descriptor(kn, lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]])
-    return autotune.fitted_descriptor(kn.transpose(1, 2), lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
+    return kn if mode == 1 else kn.transpose(1, 2)
 
 
 def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
