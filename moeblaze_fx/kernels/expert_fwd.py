@@ -50,6 +50,10 @@ where the pointer loads mask or wrap; both feed only outputs that are dropped at
 terms, so the stored results of the two paths are bitwise equal.
 ``MOEBLAZE_TMA=0`` turns descriptors off.
 
+On sm_90, :func:`down_project` hands its launches to the Gluon kernel of :mod:`.down_sm90` (persistent,
+warp-specialized, both operands through TMA; bitwise equal results) when the weights are row blocks of one
+tensor and the window's rows are 16-byte aligned; ``MOEBLAZE_GLUON_DOWN=0`` keeps the Triton kernel.
+
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
 untuned, so the operator may prefer the plain-PyTorch path for fp32.
