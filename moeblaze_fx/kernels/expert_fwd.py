@@ -729,16 +729,15 @@ def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim
     kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
     align = table_align(b0, b1)
     mode = weight_tma_mode(kn[:1] if b1 is None else kn, align, x.element_size(), x.device) if k_dim > 0 else 0
-    d0 = host_weight_desc(b0, k_is_rows, mode) if mode and host_weight_descs() else None
-    d1 = host_weight_desc(b1, k_is_rows, mode) if d0 is not None and b1 is not None else d0
-    host = d1 is not None
-    v0 = _desc_view(b0, k_is_rows, mode) if mode else None
-    v1 = _desc_view(b1, k_is_rows, mode) if v0 is not None and b1 is not None else None
-    sm90 = None
-    if v0 is not None and (b1 is None or v1 is not None) and x.is_cuda:
-        sm90 = down_sm90.weights(v0, v1, mode == 2, k_dim)
+    # the [E, k, n] / [E, n, k] views a descriptor of every expert's B is built over (None: no such view)
+    views = [_desc_view(t, k_is_rows, mode) for t in ([b0] if b1 is None else [b0, b1])] if mode else [None]
+    whole = all(v is not None for v in views)
+    host = whole and host_weight_descs()
+    descs = tuple(host_weight_desc(v, mode) for v in views) if host else (b0.ptrs,)
+    sm90 = down_sm90.weights(views[0], views[1] if b1 is not None else None, mode == 2, k_dim) \
+        if whole and x.is_cuda else None
     return DownOperand((tables[0].ptrs, tables[1].ptrs), (*kn[0], *kn[1]), b1 is not None, align, mode,
-                       (d0, d1) if host else (b0.ptrs, b0.ptrs), host, sm90)
+                       (descs[0], descs[-1]), host, sm90)
 
 
 def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: DispatchPlan, out: Tensor,
@@ -775,15 +774,10 @@ def host_weight_descs() -> bool:
     return os.environ.get("MOEBLAZE_HOST_WEIGHT_DESC", "1") != "0"
 
 
-def host_weight_desc(table: WeightTable, k_is_rows: bool, mode: int):
-    """A tensor descriptor over every expert's B[e][k, n] of ``table`` (B = the matrix when ``k_is_rows``, else
-    its transpose), laid out for ``mode`` (:func:`weight_tma_mode`, which has proven the unit stride, the other
-    stride's and the base's alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows
-    the launch's configuration. None when the table is not one non-empty [E, r, c] tensor or its expert stride
-    is not 16-byte aligned."""
-    view = _desc_view(table, k_is_rows, mode)
-    if view is None:
-        return None
+def host_weight_desc(view: Tensor, mode: int):
+    """A tensor descriptor over every expert's B[e][k, n], given as the table's ``view`` from :func:`_desc_view`
+    for ``mode`` (:func:`weight_tma_mode`, which has proven the unit stride, the other stride's and the base's
+    alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows the launch's configuration."""
     if mode == 1:
         return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]])
     return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
