@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import autotune
+from . import autotune, dw_sm90
 from .autotune import plan_block_m
 from .expert_fwd import (
     ACT_CODES,
@@ -554,6 +554,8 @@ def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: Dispatch
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
+    if dw_sm90.usable(tokens, slots, out, table_align(out)):  # sm_90: the Gluon kernel (bitwise the same result)
+        return dw_sm90.dw_sm90(tokens, slots, out, plan, K, accumulate, window)
     out_fp32 = out.dtype == torch.float32 and tokens.dtype != torch.float32
 
     def grid(meta):

@@ -1,0 +1,266 @@
+"""The weight-gradient kernel for sm_90 (Hopper) in Gluon: persistent and warp-specialized, the down kernel's structure
+(:mod:`.down_sm90`) with a gathering producer.
+
+Same contract as ``expert_bwd._expert_dw_kernel`` for 16-bit operands and a 16-bit output: for one slot window,
+``dW[e] (+)= sum over e's slots s in the window of a[token(s)].T @ b[s - slot0]``, written through a table. An expert
+whose slots start in this window (or one with no slots that is this window's to write) gets the contribution (zeros
+when it has no slots here); one whose slots started in an earlier window, or every expert with slots when
+accumulating, starts from its stored value. Each output element sums the same products in the same order as the
+Triton kernel (one fp32 accumulator, 64 slots a step, starting from the stored value when adding), so the two are
+bitwise equal (checked on the H100: ``benchmarks/proto_dw_ws_h100.json`` and the cuda tests).
+
+One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of ``b``'s), expert by expert:
+
+* one producer warpgroup fills a 3-stage ring: ``b``'s 64 slot rows through TMA, ``a``'s 64 token rows gathered with
+  cp.async (zeros past the expert's end; the token indices loaded one step ahead). Each producer thread arrives on
+  the stage's barrier when its copies land;
+* the default partition (8 warps, two warpgroups of 64 rows) multiplies, then writes the tile through shared memory
+  with 16-byte stores along the output's contiguous axis (``O_COL``: a transposed table, as dW_gate and dW_up are).
+
+Past an expert's last slot the TMA copy reads the next expert's rows of ``b`` (or zeros past the window); the
+gathered rows there are zeros, so they add nothing as long as ``b`` is finite there.
+
+H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 4-7 % at D, 1-3 % at A
+(benchmarks/RESULTS.md, eleventh session). :func:`usable` says when a launch qualifies; everything else takes the
+Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. ``MOEBLAZE_GLUON_DW=0`` turns it
+off (read at every call).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import down_sm90
+
+try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    _GLUON = True
+except ImportError:  # pragma: no cover - depends on the Triton build
+    _GLUON = False
+
+__all__ = ["ENV_VAR", "enabled", "usable", "dw_sm90", "launches"]
+
+ENV_VAR = "MOEBLAZE_GLUON_DW"
+TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
+STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
+GROUP_M = 8
+_PRODUCER_REGS = 96
+_LAUNCHES = [0]
+
+
+if _GLUON:
+    BM: gl.constexpr = gl.constexpr(TILE[0])
+    BN: gl.constexpr = gl.constexpr(TILE[1])
+    BK: gl.constexpr = gl.constexpr(TILE[2])
+
+    @gluon.jit
+    def _tile(t, num_m, num_n, offsets_ptr, slot0, slot1, own_end, ACCUMULATE: gl.constexpr,
+              GROUP_M: gl.constexpr):
+        """(e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add) of output tile ``t``: expert by expert, then in the
+        Triton kernel's grouped order; ``write``: this launch stores the tile; ``add``: it starts from the stored
+        value."""
+        per_e = num_m * num_n
+        e = t // per_e
+        r = t % per_e
+        in_group = GROUP_M * num_n
+        first_m = (r // in_group) * GROUP_M
+        size = gl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (r % in_group) % size
+        pid_n = (r % in_group) // size
+        lo = gl.load(offsets_ptr + e)
+        hi = gl.load(offsets_ptr + e + 1)
+        seg_lo = gl.maximum(lo, slot0)
+        seg_hi = gl.minimum(hi, slot1)
+        n_k = gl.cdiv(gl.maximum(seg_hi - seg_lo, 0), BK)
+        if ACCUMULATE:
+            write = n_k > 0
+            add = write
+        else:
+            add = lo < slot0  # e's slots started in an earlier window
+            write = (n_k > 0) | ((lo >= slot0) & (lo < own_end))
+        return e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add
+
+    @gluon.jit
+    def _producer(a_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr, num_tiles,
+                  num_m, num_n, m_dim, slot0, slot1, own_end, K, stride_a, ACCUMULATE: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BK, BM]: 16 bytes a thread
+        ks = gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
+        cs = gl.arange(0, BM, layout=gl.SliceLayout(0, ld))
+        g = 0  # steps issued so far, over all of this program's tiles
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add = _tile(t, num_m, num_n, offsets_ptr, slot0, slot1,
+                                                                     own_end, ACCUMULATE, GROUP_M)
+            cols = a_ptr + (pid_m * BM + cs)[None, :]  # m_dim % BM == 0 (usable)
+            last = gl.maximum(seg_hi - 1, 0)
+            nxt = gl.load(token_index_ptr + gl.minimum(seg_lo + ks, last)) // K
+            for k in range(n_k):
+                slots = seg_lo + k * BK + ks
+                rows = nxt
+                nxt = gl.load(token_index_ptr + gl.minimum(slots + BK, last)) // K  # the next step's, ahead
+                s = g % STAGES
+                mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the MMA that read the stage is done
+                mbarrier.expect(ready_b.index(s), b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [seg_lo - slot0 + k * BK, pid_n * BN], ready_b.index(s),
+                                                b_bufs.index(s))
+                cp.async_copy_global_to_shared(a_bufs.index(s), cols + rows.to(gl.int64)[:, None] * stride_a,
+                                               mask=(slots < seg_hi)[:, None])
+                cp.mbarrier_arrive(ready_a.index(s), increment_count=False)
+                g += 1
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, out_table_ptr, offsets_ptr, num_tiles, num_m,
+                  num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE: gl.constexpr,
+                  MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
+        if O_COL:  # 16 bytes a thread down a column
+            st: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 8], [0, 1])
+        else:  # 16 bytes a thread along a row
+            st: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        dtype: gl.constexpr = c_smem.dtype
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, st))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, st))
+        g = 0  # steps consumed so far, over all of this program's tiles
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add = _tile(t, num_m, num_n, offsets_ptr, slot0, slot1,
+                                                                     own_end, ACCUMULATE, GROUP_M)
+            if write:
+                out_e = gl.multiple_of(gl.load(out_table_ptr + e).to(gl.pointer_type(dtype)), 16)
+                if n_k > 0:
+                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                    if MAY_ADD:  # start from the stored value where adding (zeros elsewhere), as the Triton kernel
+                        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+                        cn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+                        ok = ((rm < m_dim)[:, None] & (cn < n_dim)[None, :]) & add
+                        acc = gl.load(out_e + (rm[:, None] * stride_o_m + cn[None, :] * stride_o_n), mask=ok,
+                                      other=0.0).to(gl.float32)
+                    else:
+                        acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+                    for k in range(n_k):
+                        s = g % STAGES
+                        mbarrier.wait(ready_a.index(s), (g // STAGES) & 1)
+                        mbarrier.wait(ready_b.index(s), (g // STAGES) & 1)
+                        fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads the async one
+                        acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc,
+                                            use_acc=(k > 0) | MAY_ADD, is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)  # step k - 1's is done
+                        g += 1
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+                    c_smem.store(acc.to(dtype))
+                    v = c_smem.load(st)
+                else:  # no slots here: this window writes the expert's zeros
+                    v = gl.zeros([BM, BN], dtype, layout=st)
+                # int32 offsets inside the expert's matrix, built from the tile's indices here: loop-invariant ones
+                # are hoisted out of the tile loop, stay live through it and spill (as 64-bit ones do)
+                r = pid_m * BM + rows
+                c = pid_n * BN + cols
+                gl.store(out_e + (r[:, None] * stride_o_m + c[None, :] * stride_o_n), v,
+                         mask=(r < m_dim)[:, None] & (c < n_dim)[None, :])
+
+    @gluon.jit
+    def _expert_dw_sm90_kernel(
+        a_ptr,  # [T, m_dim] read at row token(s): dy or x; unit column stride
+        b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB, block [BK, BN]
+        out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), a's dtype, 16-byte aligned
+        token_index_ptr, offsets_ptr,
+        num_tiles, num_m, num_n, m_dim, n_dim, K, slot0, slot1, own_end, stride_a, stride_o_m, stride_o_n,
+        ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """grid = (min(SMs, num_tiles),), num_warps=8 (consumers) + a 4-warp producer."""
+        dtype: gl.constexpr = b_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BM], gl.NVMMASharedLayout.get_default_for([BK, BM],
+                                                                                                         dtype))
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        if O_COL:  # m contiguous in shared memory too: the stores read 16-byte vectors along m
+            c_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+        else:
+            c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=128)  # one arrival per gathering thread
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
+        num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
+        m_dim, n_dim, K = gl.to_tensor(m_dim), gl.to_tensor(n_dim), gl.to_tensor(K)
+        slot0, slot1, own_end = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(own_end)
+        stride_a, stride_o_m, stride_o_n = gl.to_tensor(stride_a), gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n)
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, out_table_ptr, offsets_ptr, num_tiles, num_m,
+                         num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE, MAY_ADD,
+                         O_COL, GROUP_M, STAGES)),
+            (_producer, (a_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
+                         num_tiles, num_m, num_n, m_dim, slot0, slot1, own_end, K, stride_a, ACCUMULATE, GROUP_M,
+                         STAGES)),
+        ], [4], [PRODUCER_REGS])
+
+
+def enabled() -> bool:
+    """``MOEBLAZE_GLUON_DW`` is not "0" (read at every call, so a process can compare both kernels)."""
+    return os.environ.get(ENV_VAR, "1") != "0"
+
+
+def launches() -> int:
+    """How many times this process has launched the kernel (for tests)."""
+    return _LAUNCHES[0]
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
+    """Whether this kernel may take a dW launch: Gluon present and switched on, an sm_90 device, 16-bit operands and
+    output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
+    (``out``, a :class:`~.tables.WeightTable`) of rows a multiple of 128 (the tile's: the gathered copies never
+    cross a row's end), with one unit stride, the other a multiple of 16 bytes, and 16-byte aligned matrices."""
+    if not (_GLUON and enabled() and tokens.is_cuda and down_sm90._is_sm90(tokens.device)):
+        return False
+    if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
+        return False
+    if slots.numel() == 0 or not (_rows_ok(tokens) and _rows_ok(slots)) or out_align < 16 or out.rows % TILE[0]:
+        return False
+    item = tokens.element_size()
+    return (out.stride_c == 1 and (out.stride_r * item) % 16 == 0) or (out.stride_r == 1 and
+                                                                       (out.stride_c * item) % 16 == 0)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumulate: bool,
+            window: tuple[int, int, int]) -> None:
+    """``expert_bwd._weight_grad`` through this kernel (:func:`usable` true)."""
+    slot0, slot1, own_end = window
+    E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
+    layout = down_sm90._layout([TILE[2], TILE[1]], slots.dtype)
+    b_desc = GluonDescriptor.from_tensor(slots, [TILE[2], TILE[1]], layout)
+    num_m, num_n = -(-m_dim // TILE[0]), -(-n_dim // TILE[1])
+    num_tiles = E * num_m * num_n
+    index = tokens.device.index if tokens.device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    _expert_dw_sm90_kernel[(min(_SM_COUNT[index], num_tiles),)](
+        tokens, b_desc, out.ptrs, plan.token_index, plan.offsets, num_tiles, num_m, num_n, m_dim, n_dim, K, slot0,
+        slot1, own_end, tokens.stride(0), out.stride_r, out.stride_c,
+        ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, GROUP_M=GROUP_M,
+        STAGES=STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
+    )
+    _LAUNCHES[0] += 1

@@ -1,0 +1,150 @@
+"""The Gluon kernels for sm_90: down (moeblaze_fx/kernels/down_sm90.py) and dW (dw_sm90.py).
+
+CPU: when they may take a launch (``weights``, ``usable``) and the row-block view of a table's storage the down
+kernel reads B through. GPU (``cuda`` marker; an sm_90 device, else skipped with the reason): the whole forward and
+backward with the kernels on and off (``MOEBLAZE_GLUON_DOWN``, ``MOEBLAZE_GLUON_DW``) are bitwise equal, against the
+float32 reference within 1e-2, and each kernel is launched exactly as often as expected.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_fwd
+from moeblaze_fx.kernels.tables import table_of
+
+from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
+
+
+def test_rows_view_addresses_every_expert():
+    w = torch.randn(5, 2 * 24, 40)  # Hugging Face's fused [E, 2h, d]: gate rows, then up rows
+    for half in (w[:, :24], w[:, 24:]):
+        flat, e_rows = down_sm90._rows_view(half)
+        assert e_rows == 48 and flat.shape == (4 * 48 + 24, 40)
+        for e in range(5):
+            assert torch.equal(flat[e * e_rows: e * e_rows + 24], half[e])
+    dense = torch.randn(3, 7, 16)
+    flat, e_rows = down_sm90._rows_view(dense)
+    assert e_rows == 7 and torch.equal(flat, dense.reshape(21, 16))
+
+
+def test_rows_view_refuses_what_is_not_row_blocks():
+    w = torch.randn(4, 8, 16)
+    assert down_sm90._rows_view(w.transpose(1, 2)) is None  # no unit column stride
+    assert down_sm90._rows_view(w[:, :, :15].as_strided((4, 8, 15), (15, 16, 1))) is None  # expert stride 15
+    assert down_sm90._rows_view(w.as_strided((4, 8, 16), (64, 16, 1))) is None  # experts overlap (4 rows apart)
+    assert down_sm90._rows_view(w[:0]) is None
+
+
+def test_never_taken_on_the_cpu():
+    w = torch.randn(4, 64, 256, dtype=torch.bfloat16)
+    assert down_sm90.weights(w, None, True, 256) is None
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    op = expert_fwd.down_operand(table_of(w), None, True, 64, x)
+    assert op.sm90 is None
+
+
+def test_usable_needs_plan_tiles_and_aligned_rows():
+    a = torch.empty(300, 256, dtype=torch.bfloat16)
+    out = torch.empty(300, 512, dtype=torch.bfloat16)
+    assert down_sm90.usable(a, out, 128)
+    assert not down_sm90.usable(a, out, 16)  # plan tiles of another height
+    assert not down_sm90.usable(a, out.float(), 128)  # out of another dtype
+    assert not down_sm90.usable(a[:, 1:], out, 128)  # misaligned base
+    assert not down_sm90.usable(torch.empty(300, 260, dtype=torch.bfloat16)[:, :256], out, 128)  # row stride 520 B
+    assert not down_sm90.usable(a, torch.empty(512, 300, dtype=torch.bfloat16).t(), 128)  # column stride 300
+
+
+@pytest.mark.parametrize("mod", [down_sm90, dw_sm90], ids=["down", "dw"])
+def test_switch_is_read_at_every_call(monkeypatch, mod):
+    monkeypatch.setenv(mod.ENV_VAR, "0")
+    assert not mod.enabled()
+    monkeypatch.setenv(mod.ENV_VAR, "1")
+    assert mod.enabled()
+    monkeypatch.delenv(mod.ENV_VAR)
+    assert mod.enabled()
+
+
+def test_dw_never_taken_on_the_cpu():
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    slots = torch.randn(16, 256, dtype=torch.bfloat16)
+    out = table_of(torch.empty(4, 128, 256, dtype=torch.bfloat16))
+    assert not dw_sm90.usable(x, slots, out, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+def _need_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the Gluon down kernel runs on sm_90 only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+    if not down_sm90._GLUON:
+        pytest.skip("this Triton build has no Gluon")
+
+
+# (T, d, h, E, K, ids_mode, layout, bias, dtype, window_slots, down launches, dW launches per forward + backward):
+# down counts Y and dX per window; dX takes the Triton kernel when h % 64 != 0 (its weights have n contiguous) and
+# the list layout (no [E, r, c] tensor) never takes it. dW counts dW_down, dW_gate and dW_up per window; it takes
+# the Triton kernel when d % 128 != 0.
+GPU_CASES = [
+    (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, 0),
+    (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, 3),
+    (700, 512, 192, 4, 2, "one_expert", "hf_fused", True, torch.float16, 0, 2, 3),
+    (900, 256, 256, 8, 2, "random", "hf_fused", False, torch.bfloat16, 500, 8, 12),
+    (600, 192, 256, 8, 2, "random", "list", True, torch.bfloat16, 0, 0, 0),
+    (1, 256, 128, 3, 2, "random", "dense", False, torch.bfloat16, 0, 2, 3),
+]
+
+
+def _switch(monkeypatch, on: bool) -> None:
+    for mod in (down_sm90, dw_sm90):
+        monkeypatch.setenv(mod.ENV_VAR, "1" if on else "0")
+
+
+def _launches() -> tuple[int, int]:
+    return down_sm90.launches(), dw_sm90.launches()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ("activations", "recompute"))
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,bias,dtype,window_slots,down,dw", GPU_CASES,
+                         ids=[f"{c[6]}-T{c[0]}-h{c[2]}-w{c[9]}" for c in GPU_CASES])
+def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, bias, dtype,
+                                                 window_slots, down, dw, policy):
+    _need_sm90()
+    case = make_case(T, d, h, E, K, act="swiglu", bias=bias, layout=layout, device="cuda", dtype=dtype,
+                     ids_mode=ids_mode, seed=T + 5)
+    _switch(monkeypatch, True)
+    before = _launches()
+    y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
+    assert (down_sm90.launches() - before[0], dw_sm90.launches() - before[1]) == (down, dw)
+    _switch(monkeypatch, False)
+    before = _launches()
+    y2, o2 = run_kernels(case, policy, window_slots=window_slots)
+    assert _launches() == before
+    assert torch.equal(y1, y2), "forward differs from the Triton kernels'"
+    assert torch.equal(o1["x"], o2["x"]), "dx differs from the Triton kernels'"
+    assert torch.equal(o1["weights"], o2["weights"])
+    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), "weight gradients differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window_slots", [0, 700])
+def test_gluon_dw_accumulates_like_triton_cuda(monkeypatch, window_slots):
+    # accumulate=True (gradient accumulation): every expert with slots adds onto the stored bf16 gradient
+    _need_sm90()
+    case = make_case(1000, 256, 256, 8, 4, act="swiglu", layout="hf_fused", device="cuda", dtype=torch.bfloat16,
+                     ids_mode="empty_expert", seed=41)
+    start = grad_storage_like(case, fill=0.0)
+    for s in start:
+        s.normal_()
+    out = []
+    for on in (True, False):
+        _switch(monkeypatch, on)
+        grads = [s.clone() for s in start]
+        before = dw_sm90.launches()
+        run_kernels(case, "activations", grads=grads, accumulate=True, window_slots=window_slots)
+        assert dw_sm90.launches() - before == (3 * expert_fwd.num_slot_windows(4000, window_slots) if on else 0)
+        out.append(grads)
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    assert not all(torch.equal(a, b) for a, b in zip(out[0], start)), "nothing was accumulated"
