@@ -13,12 +13,12 @@ One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of 
 
 * one producer warpgroup fills a 3-stage ring: ``b``'s 64 slot rows through TMA, ``a``'s 64 token rows gathered with
   cp.async (zeros past the expert's end; the token indices loaded one step ahead). Each producer thread arrives on
-  the stage's barrier when its copies land;
+  the stage's A barrier when its copies land, the TMA copy completes the B barrier;
 * the default partition (8 warps, two warpgroups of 64 rows) multiplies, then writes the tile through shared memory
   with 16-byte stores along the output's contiguous axis (``O_COL``: a transposed table, as dW_gate and dW_up are).
 
-Past an expert's last slot the TMA copy reads the next expert's rows of ``b`` (or zeros past the window); the
-gathered rows there are zeros, so they add nothing as long as ``b`` is finite there.
+An expert's last step, when ragged, copies ``b``'s rows with cp.async too, as zeros past the expert's end (the
+rows there belong to the next expert, or are unrouted slots that nothing writes), as the Triton kernel masks them.
 
 H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 4-7 % at D, 1-3 % at A
 (benchmarks/RESULTS.md, eleventh session). :func:`usable` says when a launch qualifies; everything else takes the
@@ -92,12 +92,15 @@ if _GLUON:
         return e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add
 
     @gluon.jit
-    def _producer(a_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr, num_tiles,
-                  num_m, num_n, m_dim, slot0, slot1, own_end, K, stride_a, ACCUMULATE: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
+                  num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a, stride_b,
+                  ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BK, BM]: 16 bytes a thread
         ks = gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
         cs = gl.arange(0, BM, layout=gl.SliceLayout(0, ld))
+        ldb: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [BK, BN]
+        ksb = gl.arange(0, BK, layout=gl.SliceLayout(1, ldb))
+        csb = gl.arange(0, BN, layout=gl.SliceLayout(0, ldb))
         g = 0  # steps issued so far, over all of this program's tiles
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add = _tile(t, num_m, num_n, offsets_ptr, slot0, slot1,
@@ -111,9 +114,18 @@ if _GLUON:
                 nxt = gl.load(token_index_ptr + gl.minimum(slots + BK, last)) // K  # the next step's, ahead
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the MMA that read the stage is done
-                mbarrier.expect(ready_b.index(s), b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(b_desc, [seg_lo - slot0 + k * BK, pid_n * BN], ready_b.index(s),
-                                                b_bufs.index(s))
+                if seg_lo + (k + 1) * BK <= seg_hi:
+                    mbarrier.expect(ready_b.index(s), b_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(b_desc, [seg_lo - slot0 + k * BK, pid_n * BN], ready_b.index(s),
+                                                    b_bufs.index(s))
+                else:  # the expert's ragged last step: b's rows past its end may be anything (unrouted slots are
+                    # never written), so they are copied as zeros too, with a's, under ready_a
+                    mbarrier.arrive(ready_b.index(s))
+                    sb = seg_lo + k * BK + ksb
+                    cb = pid_n * BN + csb
+                    cp.async_copy_global_to_shared(
+                        b_bufs.index(s), b_ptr + (sb - slot0).to(gl.int64)[:, None] * stride_b + cb[None, :],
+                        mask=(sb < seg_hi)[:, None])  # n_dim % BN == 0 (usable)
                 cp.async_copy_global_to_shared(a_bufs.index(s), cols + rows.to(gl.int64)[:, None] * stride_a,
                                                mask=(slots < seg_hi)[:, None])
                 cp.mbarrier_arrive(ready_a.index(s), increment_count=False)
@@ -173,10 +185,10 @@ if _GLUON:
     @gluon.jit
     def _expert_dw_sm90_kernel(
         a_ptr,  # [T, m_dim] read at row token(s): dy or x; unit column stride
-        b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB, block [BK, BN]
+        b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; its descriptor, block [BK, BN]
         out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), a's dtype, 16-byte aligned
         token_index_ptr, offsets_ptr,
-        num_tiles, num_m, num_n, m_dim, n_dim, K, slot0, slot1, own_end, stride_a, stride_o_m, stride_o_n,
+        num_tiles, num_m, num_n, m_dim, n_dim, K, slot0, slot1, own_end, stride_a, stride_b, stride_o_m, stride_o_n,
         ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -201,14 +213,15 @@ if _GLUON:
         num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
         m_dim, n_dim, K = gl.to_tensor(m_dim), gl.to_tensor(n_dim), gl.to_tensor(K)
         slot0, slot1, own_end = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(own_end)
-        stride_a, stride_o_m, stride_o_n = gl.to_tensor(stride_a), gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n)
+        stride_a, stride_b = gl.to_tensor(stride_a), gl.to_tensor(stride_b)
+        stride_o_m, stride_o_n = gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n)
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, out_table_ptr, offsets_ptr, num_tiles, num_m,
                          num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE, MAY_ADD,
                          O_COL, GROUP_M, STAGES)),
-            (_producer, (a_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
-                         num_tiles, num_m, num_n, m_dim, slot0, slot1, own_end, K, stride_a, ACCUMULATE, GROUP_M,
-                         STAGES)),
+            (_producer, (a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
+                         num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a, stride_b,
+                         ACCUMULATE, GROUP_M, STAGES)),
         ], [4], [PRODUCER_REGS])
 
 
@@ -229,13 +242,14 @@ def _rows_ok(t: torch.Tensor) -> bool:
 def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
     """Whether this kernel may take a dW launch: Gluon present and switched on, an sm_90 device, 16-bit operands and
     output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
-    (``out``, a :class:`~.tables.WeightTable`) of rows a multiple of 128 (the tile's: the gathered copies never
+    (``out``, a :class:`~.tables.WeightTable`) of [rows, cols] multiples of the tile's [128, 256] (the copies never
     cross a row's end), with one unit stride, the other a multiple of 16 bytes, and 16-byte aligned matrices."""
     if not (_GLUON and enabled() and tokens.is_cuda and down_sm90._is_sm90(tokens.device)):
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
         return False
-    if slots.numel() == 0 or not (_rows_ok(tokens) and _rows_ok(slots)) or out_align < 16 or out.rows % TILE[0]:
+    if slots.numel() == 0 or not (_rows_ok(tokens) and _rows_ok(slots)) or out_align < 16 or out.rows % TILE[0] \
+            or out.cols % TILE[1]:
         return False
     item = tokens.element_size()
     return (out.stride_c == 1 and (out.stride_r * item) % 16 == 0) or (out.stride_r == 1 and
@@ -258,8 +272,8 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     _expert_dw_sm90_kernel[(min(_SM_COUNT[index], num_tiles),)](
-        tokens, b_desc, out.ptrs, plan.token_index, plan.offsets, num_tiles, num_m, num_n, m_dim, n_dim, K, slot0,
-        slot1, own_end, tokens.stride(0), out.stride_r, out.stride_c,
+        tokens, slots, b_desc, out.ptrs, plan.token_index, plan.offsets, num_tiles, num_m, num_n, m_dim, n_dim, K,
+        slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, GROUP_M=GROUP_M,
         STAGES=STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
