@@ -32,6 +32,10 @@ window (see ``expert_fwd.SlotWindow``): the transients hold the window's rows; t
 over the part of each expert's slots inside the window, writing the experts whose slots start there and
 adding onto those that started earlier; dx and the bias gradients add up across windows.
 
+On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.dw_sm90` when the
+shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
+``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel.
+
 Each output element is written by exactly one program per window with a fixed reduction order, so there
 are no atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
 zero weight gradients (or an unchanged one when accumulating). Transients (dA|dB, w*H, per-slot dX,
