@@ -291,6 +291,13 @@ def usable(a: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
 _SM_COUNT: dict[int, int] = {}
 
 
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out: torch.Tensor,
               bias: torch.Tensor | None, window) -> torch.Tensor:
     """``expert_fwd.down_project`` through this kernel (``w`` from :func:`weights`, ``usable(a, out, ..)`` true)."""
@@ -298,10 +305,7 @@ def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out
     a_desc = GluonDescriptor.from_tensor(a_view, [BLOCK_M, BLOCK_K], _layout([BLOCK_M, BLOCK_K], a.dtype))
     c_desc = GluonDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], _layout([BLOCK_M, BLOCK_N], out.dtype))
     num_n = -(-n_dim // BLOCK_N)
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    grid = (min(_SM_COUNT[index], window.num_tiles * num_n),)
+    grid = (min(_sm_count(a.device), window.num_tiles * num_n),)
     _expert_down_sm90_kernel[grid](
         a_desc, *w.descs, c_desc, out, bias if bias is not None else out, window.tile0, plan.tile_expert,
         plan.tile_start, plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1,

@@ -32,22 +32,21 @@ import os
 import torch
 
 from . import down_sm90
+from .down_sm90 import _GLUON
 
-try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (
+
+    from .down_sm90 import (
+        GluonDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-    _GLUON = True
-except ImportError:  # pragma: no cover - depends on the Triton build
-    _GLUON = False
 
 __all__ = ["ENV_VAR", "enabled", "usable", "dw_sm90", "launches"]
 
@@ -235,10 +234,6 @@ def launches() -> int:
     return _LAUNCHES[0]
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
 def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
     """Whether this kernel may take a dW launch: Gluon present and switched on, an sm_90 device, 16-bit operands and
     output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
@@ -248,15 +243,13 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
         return False
-    if slots.numel() == 0 or not (_rows_ok(tokens) and _rows_ok(slots)) or out_align < 16 or out.rows % TILE[0] \
-            or out.cols % TILE[1]:
+    if slots.numel() == 0 or not (down_sm90._rows_ok(tokens) and down_sm90._rows_ok(slots)) or out_align < 16:
+        return False
+    if out.rows % TILE[0] or out.cols % TILE[1]:
         return False
     item = tokens.element_size()
     return (out.stride_c == 1 and (out.stride_r * item) % 16 == 0) or (out.stride_r == 1 and
                                                                        (out.stride_c * item) % 16 == 0)
-
-
-_SM_COUNT: dict[int, int] = {}
 
 
 def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumulate: bool,
@@ -268,10 +261,7 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
     b_desc = GluonDescriptor.from_tensor(slots, [TILE[2], TILE[1]], layout)
     num_m, num_n = -(-m_dim // TILE[0]), -(-n_dim // TILE[1])
     num_tiles = E * num_m * num_n
-    index = tokens.device.index if tokens.device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    _expert_dw_sm90_kernel[(min(_SM_COUNT[index], num_tiles),)](
+    _expert_dw_sm90_kernel[(min(down_sm90._sm_count(tokens.device), num_tiles),)](
         tokens, slots, b_desc, out.ptrs, plan.token_index, plan.offsets, num_tiles, num_m, num_n, m_dim, n_dim, K,
         slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, GROUP_M=GROUP_M,
