@@ -77,7 +77,7 @@ def test_dw_never_taken_on_the_cpu():
 # ---------------------------------------------------------------------------------------------
 def _need_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"the Gluon down kernel runs on sm_90 only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+        pytest.skip(f"the Gluon kernels run on sm_90 only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
     if not down_sm90._GLUON:
         pytest.skip("this Triton build has no Gluon")
 
