@@ -14,39 +14,31 @@ step with none of the rest, on rows already gathered and sorted by expert:
 * ``dense8192``: the 8192^3 bf16 GEMM, the machine's ceiling as BENCHMARKS.md measures it.
 
 Routing: softmax top-K of random logits (as the layer bench's router), so the groups are about N / E rows each.
-Times: CUDA events around each step, L2 flushed before each, median of ``REPS``. Writes OUTDIR/gemm_ceiling.json.
+Times: the layer bench's timer (``moeblaze_fx.bench.layer.time_steps``): CUDA events around each step, L2
+flushed before each, median of ``REPS``. Writes OUTDIR/gemm_ceiling.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 
 import torch
+
+from moeblaze_fx.bench.layer import dense_gemm_rate, time_steps
 
 CONFIGS = {"A": (32768, 2048, 8192, 16, 4), "B": (16384, 4096, 14336, 8, 2), "C": (16384, 2048, 768, 128, 8),
            "D": (16384, 2048, 1024, 64, 8)}
 REPS, WARMUP = 20, 5
+DEVICE = torch.device("cuda")
 
 
-def timed(fn, flush) -> float:
-    """Median ms of ``fn`` over REPS, L2 flushed before each (the flush is outside the events)."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPS):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median ms of ``fn`` over REPS, L2 flushed before each outside the events: the layer bench's timer."""
+    return time_steps(lambda i: fn(), DEVICE, WARMUP, REPS)[0]
 
 
-def config_rows(name, flush):
+def config_rows(name):
     T, d, h, E, K = CONFIGS[name]
     N = T * K
     dev, dt = "cuda", torch.bfloat16
@@ -91,7 +83,7 @@ def config_rows(name, flush):
 
     for kind, fn, units in (("grouped", grouped, 9), ("grouped fwd", grouped_fwd, 3), ("dense", dense, 9)):
         try:
-            ms = timed(fn, flush)
+            ms = timed(fn)
             rows.append(dict(config=name, kind=kind, units=units, ms=ms, tflops=units * unit / ms / 1e9))
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(config=name, kind=kind, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
@@ -106,15 +98,11 @@ def main() -> None:
     ap.add_argument("--configs", default="A,B,C,D")
     args = ap.parse_args()
     os.makedirs(args.outdir, exist_ok=True)
-    flush = torch.empty(256 * 1024 * 1024 // 4, device="cuda")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = timed(lambda: torch.mm(a, b), flush)
-    rows = [dict(kind="dense8192", ms=ms, tflops=2 * 8192 ** 3 / ms / 1e9)]
+    ceiling = dense_gemm_rate(DEVICE, torch.bfloat16, WARMUP, REPS)
+    rows = [dict(kind="dense8192", ms=ceiling["ms"], tflops=ceiling["tflops"])]
     print(rows[-1], flush=True)
-    del a, b
     for name in args.configs.split(","):
-        rows += config_rows(name, flush)
+        rows += config_rows(name)
         torch.cuda.empty_cache()
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("MB_COMMIT", ""),
                rows=rows)

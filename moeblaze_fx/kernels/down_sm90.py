@@ -62,15 +62,20 @@ _LAUNCHES = [0]
 
 if _GLUON:
     @gluon.jit
+    def _grouped_ids(t, num_m, num_n, GROUP_M: gl.constexpr):
+        """(row tile, column block) of tile ``t``: ``expert_fwd._grouped_tile_ids`` in Gluon (a Gluon kernel cannot
+        call a Triton function)."""
+        in_group = GROUP_M * num_n
+        first_m = (t // in_group) * GROUP_M
+        size = gl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (t % in_group) % size, (t % in_group) // size
+
+    @gluon.jit
     def _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot0, slot1,
               GROUP_M: gl.constexpr):
         """Tile ``t`` of the launch, in the Triton kernel's grouped order: (expert or -1, start, first, end, pid_n);
         the rows the tile owns are [first, end), as ``expert_fwd._window_tile``."""
-        in_group = GROUP_M * num_n
-        first_m = (t // in_group) * GROUP_M
-        size = gl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (t % in_group) % size
-        pid_n = (t % in_group) // size
+        pid_m, pid_n = _grouped_ids(t, num_m, num_n, GROUP_M)
         i = pid_m + tile0
         inside = i < tiles_total
         i = gl.minimum(i, tiles_total - 1)
@@ -271,7 +276,7 @@ def weights(b0: torch.Tensor, b1: torch.Tensor | None, kmajor: bool, k_dim: int)
     descs, e_rows = [], []
     for v in (b0, b1 if b1 is not None else b0):
         rv = _rows_view(v)
-        if rv is None or rv[0].data_ptr() % 16 or (rv[0].stride(0) * rv[0].element_size()) % 16:
+        if rv is None:  # (its base and row stride are the view's: 16-byte aligned, proven by weight_tma_mode)
             return None
         descs.append(GluonDescriptor.from_tensor(rv[0], block, _layout(block, v.dtype)))
         e_rows.append(rv[1])

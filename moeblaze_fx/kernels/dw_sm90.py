@@ -71,12 +71,7 @@ if _GLUON:
         value."""
         per_e = num_m * num_n
         e = t // per_e
-        r = t % per_e
-        in_group = GROUP_M * num_n
-        first_m = (r // in_group) * GROUP_M
-        size = gl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (r % in_group) % size
-        pid_n = (r % in_group) // size
+        pid_m, pid_n = down_sm90._grouped_ids(t % per_e, num_m, num_n, GROUP_M)
         lo = gl.load(offsets_ptr + e)
         hi = gl.load(offsets_ptr + e + 1)
         seg_lo = gl.maximum(lo, slot0)
