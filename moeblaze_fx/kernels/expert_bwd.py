@@ -34,7 +34,8 @@ adding onto those that started earlier; dx and the bias gradients add up across 
 
 On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.dw_sm90` when the
 shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
-``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel.
+``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel. Likewise dh's GEMM (the split's first launch) goes to the gathering
+kernel of :mod:`.gather_sm90` when d % 64 == 0 and W_down is row blocks of one tensor (``MOEBLAZE_GLUON_GATHER=0``).
 
 Each output element is written by exactly one program per window with a fixed reduction order, so there
 are no atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
@@ -48,12 +49,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import autotune, dw_sm90
+from . import autotune, dw_sm90, gather_sm90
 from .autotune import plan_block_m
 from .expert_fwd import (
     ACT_CODES,
     _act_backward,
     _check_table,
+    _desc_view,
     _grouped_tile_ids,
     _table_ptr,
     _window_tile,
@@ -65,6 +67,7 @@ from .expert_fwd import (
     slot_windows,
     table_align,
     tma_available,
+    weight_tma_mode,
 )
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable
@@ -624,6 +627,15 @@ def _bias_grad_block_n(n_dim: int) -> int:
     return min(32 if autotune.interpreting() else 128, triton.next_power_of_2(max(n_dim, 1)))
 
 
+def _dh_sm90_weights(w: ExpertTables, d: int, x: Tensor) -> "gather_sm90.GatherWeights | None":
+    """The Gluon kernel's view of W_down for dh's GEMM (B[e][k, n] = W_down[e][k, n]), or None where it cannot
+    take it (see :func:`.gather_sm90.dh_weights`)."""
+    mode = weight_tma_mode([(w.down.stride_r, w.down.stride_c)], table_align(w.down), x.element_size(), x.device)
+    if not (x.is_cuda and mode):
+        return None
+    return gather_sm90.dh_weights(_desc_view(w.down, True, mode), mode == 2, d)
+
+
 def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor) -> None:
     """The gradient tables mirror the weight tables: same roles, shapes and E; dtype x.dtype or float32."""
     if not isinstance(grads, ExpertTables):
@@ -688,6 +700,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     windows = slot_windows(plan, window_slots)
     # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
     w_dx = down_operand(w.gate, w.up, True, h, x)
+    dh_sm90 = _dh_sm90_weights(w, d, x) if not recompute and DH_SPLIT else None
     for i, win in enumerate(windows):
         s0, s1 = win.slot0, win.slot1
         n = s1 - s0
@@ -709,6 +722,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             else:
                 phases = [(_expert_dh_tuned, "dh", 0)]
             for tuned_kernel, kind, phase in phases:
+                if phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
+                    gather_sm90.dh_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw)  # the same dH', bitwise
+                    continue
                 autotune.launch(
                     _expert_dh_kernel, tuned_kernel, kind, grid,
                     grad_y, x, w.gate.ptrs, up.ptrs, w.down.ptrs,

@@ -52,7 +52,10 @@ terms, so the stored results of the two paths are bitwise equal.
 
 On sm_90, :func:`down_project` hands its launches to the Gluon kernel of :mod:`.down_sm90` (persistent,
 warp-specialized, both operands through TMA; bitwise equal results) when the weights are row blocks of one
-tensor and the window's rows are 16-byte aligned; ``MOEBLAZE_GLUON_DOWN=0`` keeps the Triton kernel.
+tensor and the window's rows are 16-byte aligned; ``MOEBLAZE_GLUON_DOWN=0`` keeps the Triton kernel. The
+SwiGLU up projection without biases goes to :mod:`.gather_sm90` (the same structure with a producer that gathers x's
+rows; bitwise equal results) when d % 64 == 0 and the weights are row blocks of one tensor;
+``MOEBLAZE_GLUON_GATHER=0`` keeps the Triton kernel.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
@@ -69,7 +72,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import autotune, down_sm90
+from . import autotune, down_sm90, gather_sm90
 from .autotune import plan_block_m
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
 from .tables import ExpertTables, WeightTable
@@ -845,34 +848,21 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
     if h == 0 and down_bias is None:  # every expert maps to zero
         return out.zero_(), preact
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
+    align = table_align(w.gate, w.up)
+    w_tma = weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], align, x.element_size(), x.device)
+    up_sm90 = _up_sm90_weights(w, d, w_tma, x)
+    biased = gate_bias is not None or up_bias is not None
     w_down = down_operand(w.down, None, False, h, x)  # Y = H @ W_down[e].T: B[e][k, n] = W_down[e][n, k]
     for i, win in enumerate(slot_windows(plan, window_slots)):
         n = win.slot1 - win.slot0
         hid = x.new_empty((n, h))  # transient: the window's H
         if h > 0:
             pre = preact[win.slot0:] if save_preact else hid  # placeholder pointer when not saving, never written
-
-            def grid(meta, num_tiles=win.num_tiles):
-                return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
-
-            autotune.launch(
-                _expert_up_kernel, _expert_up_tuned, "up", grid,
-                x, w.gate.ptrs, up.ptrs,
-                gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
-                hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
-                win.num_tiles, plan.tile_expert.numel(), win.slot0, win.slot1, d, h, K,
-                x.stride(0), x.stride(1),
-                w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
-                hid.stride(0), hid.stride(1),
-                pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
-                float(act.alpha), float(act.limit),
-                ACT=ACT_CODES[act.name], GATED=act.gated,
-                HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                W_ALIGN=table_align(w.gate, w.up),
-                W_TMA=weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], table_align(w.gate, w.up),
-                                      x.element_size(), x.device),
-                SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
-            )
+            if up_sm90 is not None and gather_sm90.up_usable(x, hid, pre if save_preact else None, act.name, biased,
+                                                             plan_block_m()):
+                gather_sm90.up_sm90(x, up_sm90, plan, K, d, h, win, hid, pre if save_preact else None)
+            else:
+                _up_triton(x, w, up, gate_bias, up_bias, hid, pre, plan, win, d, h, K, act, save_preact, align, w_tma)
             del pre  # may alias hid: it must not outlive the window
         y_slots = x.new_empty((n, d))  # transient: the window's Y
         # Y = H @ W_down[e].T (+ b_down[e])
@@ -881,3 +871,36 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
         combine(y_slots, weights, plan.slot_of, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots
     return out, preact
+
+
+def _up_sm90_weights(w: ExpertTables, d: int, mode: int, x: Tensor) -> "gather_sm90.GatherWeights | None":
+    """The Gluon up kernel's view of W_gate and W_up (B[e][k, n] = W[e][n, k]), or None where it cannot take
+    them (see :func:`.gather_sm90.up_weights`)."""
+    if not (x.is_cuda and mode and w.up is not None):
+        return None
+    return gather_sm90.up_weights(_desc_view(w.gate, False, mode), _desc_view(w.up, False, mode), mode == 2, d)
+
+
+def _up_triton(x: Tensor, w: ExpertTables, up: WeightTable, gate_bias: Tensor | None, up_bias: Tensor | None,
+               hid: Tensor, pre: Tensor, plan: DispatchPlan, win: SlotWindow, d: int, h: int, K: int,
+               act: Activation, save_preact: bool, align: int, w_tma: int) -> None:
+    """One window's up projection through ``_expert_up_kernel``."""
+    def grid(meta, num_tiles=win.num_tiles):
+        return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
+
+    autotune.launch(
+        _expert_up_kernel, _expert_up_tuned, "up", grid,
+        x, w.gate.ptrs, up.ptrs,
+        gate_bias if gate_bias is not None else x, up_bias if up_bias is not None else x,
+        hid, pre, plan.token_index, plan.offsets, plan.tile_expert, plan.tile_start, win.tile0,
+        win.num_tiles, plan.tile_expert.numel(), win.slot0, win.slot1, d, h, K,
+        x.stride(0), x.stride(1),
+        w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
+        hid.stride(0), hid.stride(1),
+        pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
+        float(act.alpha), float(act.limit),
+        ACT=ACT_CODES[act.name], GATED=act.gated,
+        HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
+        W_ALIGN=align, W_TMA=w_tma,
+        SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
+    )

@@ -1,16 +1,17 @@
-"""The Gluon kernels for sm_90: down (moeblaze_fx/kernels/down_sm90.py) and dW (dw_sm90.py).
+"""The Gluon kernels for sm_90: down (moeblaze_fx/kernels/down_sm90.py), dW (dw_sm90.py) and the gathering GEMMs,
+up and dh's (gather_sm90.py).
 
-CPU: when they may take a launch (``weights``, ``usable``) and the row-block view of a table's storage the down
-kernel reads B through. GPU (``cuda`` marker; an sm_90 device, else skipped with the reason): the whole forward and
-backward with the kernels on and off (``MOEBLAZE_GLUON_DOWN``, ``MOEBLAZE_GLUON_DW``) are bitwise equal, against the
-float32 reference within 1e-2, and each kernel is launched exactly as often as expected.
+CPU: when they may take a launch (``weights``, ``usable``) and the row-block view of a table's storage the kernels
+read weights through. GPU (``cuda`` marker; an sm_90 device, else skipped with the reason): the whole forward and
+backward with the kernels on and off (``MOEBLAZE_GLUON_DOWN``, ``MOEBLAZE_GLUON_DW``, ``MOEBLAZE_GLUON_GATHER``) are
+bitwise equal, against the float32 reference within 1e-2, and each kernel is launched exactly as often as expected.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_fwd
+from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_fwd, gather_sm90
 from moeblaze_fx.kernels.tables import table_of
 
 from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
@@ -55,7 +56,7 @@ def test_usable_needs_plan_tiles_and_aligned_rows():
     assert not down_sm90.usable(a, torch.empty(512, 300, dtype=torch.bfloat16).t(), 128)  # column stride 300
 
 
-@pytest.mark.parametrize("mod", [down_sm90, dw_sm90], ids=["down", "dw"])
+@pytest.mark.parametrize("mod", [down_sm90, dw_sm90, gather_sm90], ids=["down", "dw", "gather"])
 def test_switch_is_read_at_every_call(monkeypatch, mod):
     monkeypatch.setenv(mod.ENV_VAR, "0")
     assert not mod.enabled()
@@ -72,6 +73,29 @@ def test_dw_never_taken_on_the_cpu():
     assert not dw_sm90.usable(x, slots, out, 16)
 
 
+def test_gather_never_taken_on_the_cpu():
+    w = torch.randn(4, 256, 128, dtype=torch.bfloat16)
+    assert gather_sm90.up_weights(w, w, True, 128) is None
+    assert gather_sm90.dh_weights(w, False, 256) is None
+
+
+def test_gather_usable_needs_swiglu_unbiased_and_aligned_rows():
+    x = torch.empty(300, 256, dtype=torch.bfloat16)
+    hid = torch.empty(400, 192, dtype=torch.bfloat16)
+    pre = torch.empty(400, 384, dtype=torch.bfloat16)
+    assert gather_sm90.up_usable(x, hid, pre, "swiglu", False, 128)
+    assert gather_sm90.up_usable(x, hid, None, "swiglu", False, 128)  # "recompute": A|B not kept
+    assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # only SwiGLU's epilogue
+    assert not gather_sm90.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
+    assert not gather_sm90.up_usable(x, hid, pre, "swiglu", False, 64)  # plan tiles of another height
+    assert not gather_sm90.up_usable(x[:, 1:], hid, pre, "swiglu", False, 128)  # misaligned x rows
+    assert not gather_sm90.up_usable(x, hid, pre[1:, 1:], "swiglu", False, 128)  # misaligned A|B
+    assert not gather_sm90.up_usable(x.half(), hid, pre, "swiglu", False, 128)  # mixed dtypes
+    assert not gather_sm90.up_usable(x.float(), hid.float(), pre.float(), "swiglu", False, 128)  # 32-bit
+    assert gather_sm90.dh_usable(x, hid, 128)
+    assert not gather_sm90.dh_usable(x, hid.t(), 128)  # no unit column stride
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -82,23 +106,28 @@ def _need_sm90():
         pytest.skip("this Triton build has no Gluon")
 
 
-# (T, d, h, E, K, ids_mode, layout, bias, dtype, window_slots, down launches, dW launches per forward + backward):
-# down counts Y and dX per window; dX takes the Triton kernel when h % 64 != 0 (its weights have n contiguous) and
-# the list layout (no [E, r, c] tensor) never takes it. dW counts dW_down, dW_gate and dW_up per window; it takes
-# the Triton kernel when d % 128 != 0 or h % 256 != 0.
+# (T, d, h, E, K, ids_mode, layout, bias, dtype, window_slots, down launches, dW launches per forward + backward,
+# gathering launches (up, dh)): down counts Y and dX per window; dX takes the Triton kernel when h % 64 != 0 (its
+# weights have n contiguous) and the list layout (no [E, r, c] tensor) never takes it. dW counts dW_down, dW_gate
+# and dW_up per window; it takes the Triton kernel when d % 128 != 0 or h % 256 != 0. The gathering kernel counts
+# the up projection per window (not with biases) and dh's GEMM per window ("activations" only: "recompute" runs
+# the up GEMM inside dh's kernel); h = 200 and 192 leave ragged column tiles.
 GPU_CASES = [
-    (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, 0),
-    (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, 3),
-    (700, 512, 256, 4, 2, "one_expert", "hf_fused", True, torch.float16, 0, 2, 3),
-    (900, 256, 256, 8, 2, "random", "hf_fused", False, torch.bfloat16, 500, 8, 12),
-    (600, 192, 256, 8, 2, "random", "list", True, torch.bfloat16, 0, 0, 0),
-    (1, 256, 256, 3, 2, "random", "dense", False, torch.bfloat16, 0, 2, 3),
-    (400, 256, 192, 4, 2, "random", "dense", False, torch.bfloat16, 0, 2, 0),
+    (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, 0, (1, 1)),
+    (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, 3, (0, 1)),
+    (700, 512, 256, 4, 2, "one_expert", "hf_fused", False, torch.float16, 0, 2, 3, (1, 1)),
+    (900, 256, 256, 8, 2, "random", "hf_fused", False, torch.bfloat16, 500, 8, 12, (4, 4)),
+    (600, 192, 256, 8, 2, "random", "list", True, torch.bfloat16, 0, 0, 0, (0, 0)),
+    (1, 256, 256, 3, 2, "random", "dense", False, torch.bfloat16, 0, 2, 3, (1, 1)),
+    (400, 256, 192, 4, 2, "random", "dense", False, torch.bfloat16, 0, 2, 0, (1, 1)),
+    # W_gate, W_up with n contiguous (the up kernel's halves side by side along a buffer's columns), W_down with k
+    # contiguous; dX's two tables with k contiguous and dW's h % 256 != 0 take the Triton kernels
+    (640, 256, 384, 4, 2, "random", "transposed", False, torch.bfloat16, 0, 1, 0, (1, 1)),
 ]
 
 
 def _switch(monkeypatch, on: bool) -> None:
-    for mod in (down_sm90, dw_sm90):
+    for mod in (down_sm90, dw_sm90, gather_sm90):
         monkeypatch.setenv(mod.ENV_VAR, "1" if on else "0")
 
 
@@ -108,16 +137,16 @@ def _poison() -> None:
     torch.full((64 * 2 ** 20,), float("nan"), device="cuda")
 
 
-def _launches() -> tuple[int, int]:
-    return down_sm90.launches(), dw_sm90.launches()
+def _launches() -> tuple[int, int, int]:
+    return down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches()
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ("activations", "recompute"))
-@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,bias,dtype,window_slots,down,dw", GPU_CASES,
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,bias,dtype,window_slots,down,dw,gather", GPU_CASES,
                          ids=[f"{c[6]}-T{c[0]}-h{c[2]}-w{c[9]}" for c in GPU_CASES])
 def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, bias, dtype,
-                                                 window_slots, down, dw, policy):
+                                                 window_slots, down, dw, gather, policy):
     _need_sm90()
     case = make_case(T, d, h, E, K, act="swiglu", bias=bias, layout=layout, device="cuda", dtype=dtype,
                      ids_mode=ids_mode, seed=T + 5)
@@ -125,7 +154,8 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
     _poison()
     before = _launches()
     y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
-    assert (down_sm90.launches() - before[0], dw_sm90.launches() - before[1]) == (down, dw)
+    gathers = gather[0] + (gather[1] if policy == "activations" else 0)
+    assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
     _switch(monkeypatch, False)
     before = _launches()
     y2, o2 = run_kernels(case, policy, window_slots=window_slots)
@@ -156,3 +186,15 @@ def test_gluon_dw_accumulates_like_triton_cuda(monkeypatch, window_slots):
         out.append(grads)
     assert all(torch.equal(a, b) for a, b in zip(*out))
     assert not all(torch.equal(a, b) for a, b in zip(out[0], start)), "nothing was accumulated"
+
+
+@pytest.mark.cuda
+def test_gather_leaves_d_not_multiple_of_64_to_triton_cuda(monkeypatch):
+    # d = 200: the gathering kernels' 64-wide steps would cross a row's end, so both stay with the Triton kernels
+    _need_sm90()
+    case = make_case(300, 200, 256, 4, 2, act="swiglu", layout="dense", device="cuda", dtype=torch.bfloat16,
+                     ids_mode="random", seed=7)
+    _switch(monkeypatch, True)
+    before = gather_sm90.launches()
+    check_against_reference(case, "activations", tol=1e-2, ref_dtype=torch.float32)
+    assert gather_sm90.launches() == before

@@ -1,0 +1,380 @@
+"""The gathering GEMMs for sm_90 (Hopper) in Gluon: the up projection and dh's GEMM, persistent and
+warp-specialized, the structure of :mod:`.down_sm90` with a producer that gathers token rows.
+
+Both multiply rows gathered through the token index by one expert's weights, tile by tile over a slot window's row
+tiles (the plan's 128-slot tiles):
+
+* the forward up projection (``expert_fwd._expert_up_kernel``, SwiGLU, no biases): ``A|B = x[tok(s)] @
+  W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores A|B (when the policy keeps them) and ``H = silu(A) * B``
+  computed from the rounded values;
+* the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
+  rounded to x's dtype and stored.
+
+Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
+contraction steps, the same activation arithmetic), so the results are bitwise equal; the cuda tests compare them.
+
+One program per SM walks the output tiles in the Triton kernels' grouped order (``down_sm90._tile``):
+
+* one producer warpgroup fills a ring of ``STAGES`` shared buffers: the tile's 128 token rows, 64 columns a step,
+  gathered with cp.async (the token indices loaded once a tile; rows outside the tile's own read a row it owns), and
+  the weight tiles through TMA over 2-D descriptors of the tables' storage (``down_sm90.weights``' views). Each
+  producer thread arrives on the stage's A barrier when its copies land, the TMA copies complete the B barrier;
+* the default partition (8 warps, two warpgroups of 64 rows) multiplies into one 128 x 256 fp32 accumulator: for
+  the up projection 128 columns of A beside the same 128 columns of B (the producer copies W_gate's and W_up's tiles
+  side by side into one shared buffer, so one pass over x computes both), for dh 256 columns of dH'. The tile goes
+  to shared memory rounded; a full tile leaves through asynchronous TMA stores, a ragged one (an expert's last rows,
+  a tile cut by the window, columns past h) through masked pointer stores. The up projection's H is computed from
+  the rounded A|B read back from shared memory and written over A's half once A's store has read it.
+
+:func:`up_usable` and :func:`dh_usable` say when a launch qualifies; everything else takes the Triton kernels.
+Gluon has no interpreter, so the CPU tests cannot run these kernels. ``MOEBLAZE_GLUON_GATHER=0`` turns them off
+(read at every call).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from . import down_sm90
+from .down_sm90 import _GLUON
+
+if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+    from .down_sm90 import (
+        GluonDescriptor,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+__all__ = ["ENV_VAR", "enabled", "GatherWeights", "up_weights", "dh_weights", "up_usable", "dh_usable", "up_sm90",
+           "dh_sm90", "launches"]
+
+ENV_VAR = "MOEBLAZE_GLUON_GATHER"
+BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
+UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
+DH_BLOCK_N = 256
+STAGES = 3  # 48 KB a stage (x: 16 KB, weights: 32 KB); with the 64 KB output tile, 208 KB of shared memory
+GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
+_PRODUCER_REGS = 96
+_LAUNCHES = [0]
+
+
+if _GLUON:
+    BM: gl.constexpr = gl.constexpr(BLOCK_M)
+    BK: gl.constexpr = gl.constexpr(BLOCK_K)
+
+    @gluon.jit
+    def _load_b(desc, e_rows, e, n0, k, bar, buf, B_KMAJOR: gl.constexpr):
+        if B_KMAJOR:  # rows are n: expert e's n0.. at rows e * e_rows + n0 ..
+            tma.async_copy_global_to_shared(desc, [e * e_rows + n0, k * BK], bar, buf)
+        else:  # rows are k
+            tma.async_copy_global_to_shared(desc, [e * e_rows + k * BK, n0], bar, buf)
+
+    @gluon.jit
+    def _producer(a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, tile0_ptr,
+                  tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, K,
+                  stride_a, e_rows0, e_rows1, BNH: gl.constexpr, SWIGLU: gl.constexpr, B_KMAJOR: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BM, BK]: 16 bytes a thread
+        rs = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+        cs = gl.arange(0, BK, layout=gl.SliceLayout(0, ld))
+        if SWIGLU:
+            nbytes: gl.constexpr = 2 * b0_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = b0_desc.block_type.nbytes
+        if B_KMAJOR:
+            n_axis: gl.constexpr = 0
+        else:
+            n_axis: gl.constexpr = 1
+        tile0 = gl.load(tile0_ptr)
+        n_k = k_dim // BK  # k_dim % BK == 0 (usable)
+        g = 0  # steps issued so far, over all of this program's tiles
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+                                                          tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
+            if e >= 0:
+                # rows outside [first, end) re-read one the tile owns: no masks, the stores drop them
+                tok = gl.load(token_index_ptr + gl.minimum(gl.maximum(start + rs, first), end - 1)) // K
+                rows = a_ptr + tok.to(gl.int64)[:, None] * stride_a + cs[None, :]
+                n0 = pid_n * BNH
+                for k in range(n_k):
+                    s = g % STAGES
+                    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the MMA that read the stage is done
+                    mbarrier.expect(ready_b.index(s), nbytes)
+                    if SWIGLU:  # gate's BNH columns, then up's: one 2 BNH-wide product
+                        _load_b(b0_desc, e_rows0, e, n0, k, ready_b.index(s),
+                                b_bufs.index(s).slice(0, BNH, dim=n_axis), B_KMAJOR)
+                        _load_b(b1_desc, e_rows1, e, n0, k, ready_b.index(s),
+                                b_bufs.index(s).slice(BNH, BNH, dim=n_axis), B_KMAJOR)
+                    else:
+                        _load_b(b0_desc, e_rows0, e, n0, k, ready_b.index(s), b_bufs.index(s), B_KMAJOR)
+                    cp.async_copy_global_to_shared(a_bufs.index(s), rows + k * BK)
+                    cp.mbarrier_arrive(ready_a.index(s), increment_count=False)
+                    g += 1
+
+    @gluon.constexpr_function
+    def _st_layout(W):
+        """Registers of a [BM, W] tile for 16-byte accesses along its rows, a warp's columns spanning W."""
+        W = int(W)
+        return gl.BlockedLayout([1, 8], [256 // W, W // 8], [8, 1], [1, 0])
+
+    @gluon.jit
+    def _store(buf, c_desc, c_ptr, row, col, start, first, end, slot0, n_lim, stride_c, full):
+        """Store the tile in shared memory ``buf`` at (row, col) of the window's buffer: through TMA when ``full``,
+        else its rows [first, end) and columns below ``n_lim`` through pointers."""
+        if full:
+            tma.async_copy_shared_to_global(c_desc, [row, col], buf)
+        else:
+            W: gl.constexpr = buf.shape[1]
+            st: gl.constexpr = _st_layout(W)
+            v = buf.load(st)
+            # offsets built from the tile's indices here: hoisted loop invariants stay live through the loop and spill
+            rows = start + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
+            cols = col + gl.arange(0, W, layout=gl.SliceLayout(0, st))
+            mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_lim)[None, :]
+            gl.store(c_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c + cols[None, :], v, mask=mask)
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, c0_desc, c1_desc, c0_ptr, c1_ptr, tile0_ptr,
+                  tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim,
+                  stride_c0, stride_c1, BNH: gl.constexpr, SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0."""
+        BN: gl.constexpr = c_smem.shape[1]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
+        dtype: gl.constexpr = c_smem.dtype
+        tile0 = gl.load(tile0_ptr)
+        n_k = k_dim // BK
+        g = 0  # steps consumed so far, over all of this program's tiles
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+                                                          tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
+            if e >= 0:
+                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+                for k in range(n_k):
+                    s = g % STAGES
+                    mbarrier.wait(ready_a.index(s), (g // STAGES) & 1)
+                    mbarrier.wait(ready_b.index(s), (g // STAGES) & 1)
+                    fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads the async one
+                    if B_KMAJOR:
+                        b = b_bufs.index(s).permute((1, 0))
+                    else:
+                        b = b_bufs.index(s)
+                    acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=k > 0, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)  # step k - 1's is done
+                    g += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+                n0 = pid_n * BNH
+                row = start - slot0
+                full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
+                tma.store_wait(0)  # the previous tile's stores have read c_smem
+                c_smem.store(acc.to(dtype))
+                fence_async_shared()
+                if SWIGLU:  # columns [0, BNH) hold A, [BNH, 2 BNH) hold B
+                    a_smem = c_smem.slice(0, BNH, dim=1)
+                    b_smem = c_smem.slice(BNH, BNH, dim=1)
+                    if SAVE_AB:
+                        _store(a_smem, c1_desc, c1_ptr, row, n0, start, first, end, slot0, n_dim, stride_c1, full)
+                        _store(b_smem, c1_desc, c1_ptr, row, n_dim + n0, start, first, end, slot0, 2 * n_dim,
+                               stride_c1, full)
+                    # H from the rounded A|B, as the Triton kernel: a * sigmoid(a) * b, sigmoid = 1 / (1 + exp(-a))
+                    st: gl.constexpr = _st_layout(BNH)
+                    af = a_smem.load(st).to(gl.float32)
+                    hid = (af * (1 / (1 + gl.exp(-af))) * b_smem.load(st).to(gl.float32)).to(dtype)
+                    tma.store_wait(0)  # A|B's stores have read a_smem
+                    a_smem.store(hid)
+                    fence_async_shared()
+                    _store(a_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
+                else:
+                    _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gather_gemm(
+        a_ptr,  # [T, k_dim] x or dy, read at row token(s); unit column stride, 16-byte aligned rows
+        b0_desc, b1_desc,  # every expert's W_gate (dh: W_down) / W_up as 2-D row blocks (b1 = b0 unless SWIGLU)
+        c0_desc, c1_desc,  # [slot1 - slot0, n]: H (dh: dH'); [.., 2n]: A|B when SAVE_AB (else c0's again)
+        c0_ptr, c1_ptr,  # the same buffers, for ragged tiles
+        token_index_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
+        num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
+        SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """The body of both kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
+        producer."""
+        BNH: gl.constexpr = c0_desc.block_type.shape[1]  # columns of h a tile covers
+        if SWIGLU:  # A's and B's side by side
+            BN: gl.constexpr = 2 * BNH
+        else:
+            BN: gl.constexpr = BNH
+        dtype: gl.constexpr = b0_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK],
+                                                                                                         dtype))
+        if B_KMAJOR:
+            b_block: gl.constexpr = [BN, BK]
+        else:
+            b_block: gl.constexpr = [BK, BN]
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_block, gl.NVMMASharedLayout.get_default_for(b_block,
+                                                                                                          dtype))
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=128)  # one arrival per gathering thread
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
+        num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
+        slot0, slot1, K = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(K)
+        k_dim, n_dim, stride_a = gl.to_tensor(k_dim), gl.to_tensor(n_dim), gl.to_tensor(stride_a)
+        e_rows0, e_rows1 = gl.to_tensor(e_rows0), gl.to_tensor(e_rows1)
+        stride_c0, stride_c1 = gl.to_tensor(stride_c0), gl.to_tensor(stride_c1)
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, c0_desc, c1_desc, c0_ptr, c1_ptr,
+                         tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0,
+                         slot1, k_dim, n_dim, stride_c0, stride_c1, BNH, SWIGLU, SAVE_AB, B_KMAJOR, GROUP_M, STAGES)),
+            (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty,
+                         tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0,
+                         slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, STAGES)),
+        ], [4], [PRODUCER_REGS])
+
+    # Two names for one kernel, so that profiles tell the up projection from dh's GEMM.
+    @gluon.jit
+    def _up_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
+                        tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
+                        n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, SAVE_AB: gl.constexpr,
+                        B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+        _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
+                     tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
+                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, True, SAVE_AB, B_KMAJOR, GROUP_M,
+                     STAGES, PRODUCER_REGS)
+
+    @gluon.jit
+    def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
+                        tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
+                        n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, SAVE_AB: gl.constexpr,
+                        B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+        _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
+                     tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
+                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, False, SAVE_AB, B_KMAJOR, GROUP_M,
+                     STAGES, PRODUCER_REGS)
+
+
+def enabled() -> bool:
+    """``MOEBLAZE_GLUON_GATHER`` is not "0" (read at every call, so a process can compare both kernels)."""
+    return os.environ.get(ENV_VAR, "1") != "0"
+
+
+def launches() -> int:
+    """How many times this process has launched the kernel (for tests)."""
+    return _LAUNCHES[0]
+
+
+class GatherWeights(NamedTuple):
+    """The weights of one gathering GEMM as this kernel reads them, resolved once per call."""
+
+    descs: tuple  # Gluon descriptors of W_gate and W_up (up), or W_down twice (dh)
+    e_rows: tuple[int, int]  # rows from one expert's matrix to the next, in each descriptor
+    kmajor: bool  # the descriptors' rows are n (k contiguous); else they are k (n contiguous)
+
+
+def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeights | None:
+    """Descriptors with blocks of ``block_n`` x 64 over each view's row blocks (see :func:`up_weights`)."""
+    if not (_GLUON and enabled() and views[0].is_cuda and down_sm90._is_sm90(views[0].device)):
+        return None
+    if views[0].dtype not in (torch.bfloat16, torch.float16) or any(v.dtype != views[0].dtype for v in views):
+        return None
+    if k_dim <= 0 or k_dim % BLOCK_K:  # (with rows = k, the next expert's rows would be summed in)
+        return None
+    block = [block_n, BLOCK_K] if kmajor else [BLOCK_K, block_n]
+    descs, e_rows = [], []
+    for v in views:
+        rv = down_sm90._rows_view(v)
+        if rv is None:  # (base and row stride 16-byte aligned: proven by weight_tma_mode)
+            return None
+        descs.append(GluonDescriptor.from_tensor(rv[0], block, down_sm90._layout(block, v.dtype)))
+        e_rows.append(rv[1])
+    if len(descs) == 1:
+        descs, e_rows = descs * 2, e_rows * 2
+    return GatherWeights(tuple(descs), tuple(e_rows), kmajor)
+
+
+def up_weights(gate, up, kmajor: bool, d: int) -> GatherWeights | None:
+    """The up kernel's view of W_gate and W_up, given as the ``[E, d, h]`` (``kmajor`` False) or ``[E, h, d]``
+    (``kmajor`` True) views over which ``expert_fwd`` builds descriptors (unit last stride, 16-byte aligned base
+    and strides: ``expert_fwd.weight_tma_mode``). None when this kernel cannot take them: Gluon missing or switched
+    off, not an sm_90 device, not 16-bit, d % 64, or experts that are not row blocks of one view."""
+    if gate is None or up is None:
+        return None
+    return _weights([gate, up], kmajor, d, UP_BLOCK_N)
+
+
+def dh_weights(down, kmajor: bool, d: int) -> GatherWeights | None:
+    """dh's GEMM view of W_down (B[e][k, n] = W_down[e][k, n], k = d): as :func:`up_weights`."""
+    if down is None:
+        return None
+    return _weights([down], kmajor, d, DH_BLOCK_N)
+
+
+def _gather_ok(a: torch.Tensor, outs: list[torch.Tensor], block_m: int) -> bool:
+    return (block_m == BLOCK_M and a.dtype in (torch.bfloat16, torch.float16) and down_sm90._rows_ok(a)
+            and all(o.dtype == a.dtype and down_sm90._rows_ok(o) for o in outs))
+
+
+def up_usable(x: torch.Tensor, hid: torch.Tensor, pre: torch.Tensor | None, act_name: str, biased: bool,
+              block_m: int) -> bool:
+    """Whether the up kernel may take a window: SwiGLU without biases, plan row tiles of ``BLOCK_M``, and x, H and
+    A|B (``pre``, None when not kept) of one 16-bit dtype with unit column strides and 16-byte aligned bases and
+    rows."""
+    return act_name == "swiglu" and not biased and _gather_ok(x, [hid] if pre is None else [hid, pre], block_m)
+
+
+def dh_usable(dy: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
+    """Whether dh's GEMM may take a window: as :func:`up_usable` for dy and dH'."""
+    return _gather_ok(dy, [out], block_m)
+
+
+def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: torch.Tensor | None, plan, K: int,
+            k_dim: int, n_dim: int, window, block_n: int) -> None:
+    """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None."""
+    block = [BLOCK_M, block_n]
+    c0_desc = GluonDescriptor.from_tensor(c0, block, down_sm90._layout(block, c0.dtype))
+    c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
+    c1_desc = GluonDescriptor.from_tensor(c1, block, down_sm90._layout(block, c1.dtype)) if c1 is not c0 else c0_desc
+    num_n = -(-n_dim // block_n)
+    grid = (min(down_sm90._sm_count(a.device), window.num_tiles * num_n),)
+    kernel[grid](
+        a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
+        plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
+        a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0),
+        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M, STAGES=STAGES, PRODUCER_REGS=_PRODUCER_REGS,
+        num_warps=8,
+    )
+    _LAUNCHES[0] += 1
+
+
+def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hid: torch.Tensor,
+            pre: torch.Tensor | None) -> None:
+    """The forward up projection of one window through this kernel (:func:`up_usable` true): H into ``hid``
+    ``[slot1 - slot0, h]``, A|B into ``pre`` ``[slot1 - slot0, 2h]`` when not None."""
+    _launch(_up_sm90_kernel, x, w, hid, pre[:, :2 * h] if pre is not None else None, plan, K, d, h, window,
+            UP_BLOCK_N)
+
+
+def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, out: torch.Tensor) -> None:
+    """dh's GEMM of one window through this kernel (:func:`dh_usable` true): dH' into ``out`` ``[.., h]``."""
+    _launch(_dh_sm90_kernel, dy, w, out, None, plan, K, d, h, window, DH_BLOCK_N)
