@@ -177,6 +177,20 @@ if _GLUON:
                          mask=(r < m_dim)[:, None] & (c < n_dim)[None, :])
 
     @gluon.jit
+    def _gather_ring_barriers(STAGES: gl.constexpr):
+        """(ready_a, ready_b, empty) of a ring whose A is gathered by a 4-warp producer: ready_a counts one arrival
+        per producer thread (each arrives when its cp.async copies land), ready_b completes with the TMA copies,
+        empty is arrived by the consumers."""
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(i), count=128)
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return ready_a, ready_b, empty
+
+    @gluon.jit
     def _expert_dw_sm90_kernel(
         a_ptr,  # [T, m_dim] read at row token(s): dy or x; unit column stride
         b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; its descriptor, block [BK, BN]
@@ -196,13 +210,7 @@ if _GLUON:
         else:
             c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
-        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready_a.index(i), count=128)  # one arrival per gathering thread
-            mbarrier.init(ready_b.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready_a, ready_b, empty = _gather_ring_barriers(STAGES)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
         m_dim, n_dim, K = gl.to_tensor(m_dim), gl.to_tensor(n_dim), gl.to_tensor(K)

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import down_sm90
+from . import down_sm90, dw_sm90
 from .down_sm90 import _GLUON
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
@@ -228,13 +228,7 @@ if _GLUON:
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_block, gl.NVMMASharedLayout.get_default_for(b_block,
                                                                                                           dtype))
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
-        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready_a.index(i), count=128)  # one arrival per gathering thread
-            mbarrier.init(ready_b.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready_a, ready_b, empty = dw_sm90._gather_ring_barriers(STAGES)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
         slot0, slot1, K = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(K)
