@@ -17,10 +17,10 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
                           H = act(A, B)
                           dw partial = <dH', H> over this program's columns   (routing-weight gradient)
                           dH = w * dH';  dA, dB = act'(A, B) dH
-                        ──▶ dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N] fp32 (transient)
+                        ──▶ dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N+1] fp32 by slot
     _expert_bias_grad_kernel (down bias only), per expert and column block of d:
-                          d_down_bias[e] = sum_{s in e} w_s dy[tok_s];  <dy[tok_s], b_down[e]> partials by pair
-    dweights = partials.sum(0)                                          (fixed order: deterministic)
+                          d_down_bias[e] = sum_{s in e} w_s dy[tok_s];  <dy[tok_s], b_down[e]> partials by slot
+    dweights = partials.sum(0)[slot_of]                                 (fixed order: deterministic)
     _expert_dw_kernel   dW_down[e]    = sum_{s in e} dy[tok_s].T (w*H)[s]  (dy gathered, slots = contraction)
     _expert_down_kernel dX[s]         = dA[s] @ W_gate[e] + dB[s] @ W_up[e]  (row tiles; two K loops, one acc)
     _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB
@@ -86,7 +86,7 @@ def _dh_epilogue(
     preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype (the window's rows), read unless RECOMPUTE
     dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out
-    part_ptr,  # [num_chunks, N] fp32, out
+    part_ptr,  # [num_chunks, N + 1] fp32, out: by slot
     stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
     ACT: tl.constexpr, GATED: tl.constexpr,
     RECOMPUTE: tl.constexpr, CHUNK_N: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
@@ -140,8 +140,10 @@ def _dh_epilogue(
     hw_ptrs, _ = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N, EVEN_N)
     tl.store(hw_ptrs, (hid * wt[:, None]).to(io_ty), mask=mask)
     # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
-    # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0.
-    part_ptrs = part_ptr + (col0 // CHUNK_N) * stride_part_c + pair.to(tl.int64)
+    # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0. Stored by slot (the tile's
+    # rows, one contiguous run): by pair they were scattered 4-byte stores, 5-11 % of the split's second launch
+    # (H100, benchmarks/RESULTS.md, thirteenth session).
+    part_ptrs = part_ptr + (col0 // CHUNK_N) * stride_part_c + (start + local).to(tl.int64)
     tl.store(part_ptrs, part, mask=row_mask)
     for j in tl.static_range(1, BLOCK_N // CHUNK_N):
         tl.store(part_ptrs + j * stride_part_c, tl.zeros_like(part), mask=row_mask)
@@ -179,7 +181,7 @@ def _expert_dh_kernel(
     preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype: saved A|B of the window's slots, read unless RECOMPUTE
     dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out: dA|dB of the window's slots
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out: w * H of the window's slots
-    part_ptr,  # [num_chunks, N] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by pair
+    part_ptr,  # [num_chunks, N + 1] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by slot
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
     tile_expert_ptr,  # [tiles_total] int32
@@ -468,7 +470,7 @@ def _expert_bias_grad_kernel(
     weights_ptr,  # [T, K] any float dtype: scales each row when SCALE
     bias_ptr,  # [E, n_dim] contiguous: when DOT, <row, bias[e]> of each slot goes to part
     out_ptr,  # [E, n_dim] fp32 contiguous, out: sum over e's slots in the window of (w *) row
-    part_ptr,  # [cdiv(n_dim, BLOCK_N), N] fp32, out when DOT: by pair, one row per column block
+    part_ptr,  # [cdiv(n_dim, BLOCK_N), N + 1] fp32, out when DOT: by slot, one row per column block
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
     n_dim, K, slot0, slot1,
@@ -508,7 +510,7 @@ def _expert_bias_grad_kernel(
         v = tl.load(src_ptr + r[:, None] * stride_src_r + offs_n_ld[None, :] * stride_src_n,
                     mask=s_mask[:, None], other=0.0).to(tl.float32)
         if DOT:
-            tl.store(part_ptr + pid_n * stride_part_c + pair.to(tl.int64), tl.sum(v * bias[None, :], axis=1),
+            tl.store(part_ptr + pid_n * stride_part_c + s.to(tl.int64), tl.sum(v * bias[None, :], axis=1),
                      mask=s_mask)
         if SCALE:
             wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k,
@@ -603,7 +605,7 @@ def _bias_grad(src: Tensor, gather: bool, weights: Tensor | None, plan: Dispatch
                window: tuple[int, int] | None = None) -> Tensor:
     """fp32 [E, n]: per expert, the sum over its slots in ``window`` (default: all) of (w *) src[row] (rows:
     tokens when ``gather``, else the window's slots); with ``dot_bias``, also <src[row], dot_bias[e]> per
-    pair into ``part`` (one row per column block)."""
+    slot into ``part`` (one row per column block)."""
     slot0, slot1 = window if window is not None else (0, plan.token_index.numel())
     n_dim = src.shape[1]
     out = torch.empty((E, n_dim), dtype=torch.float32, device=src.device)
@@ -688,7 +690,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # Rows of the routing-weight partials: first the <dy, b_down> ones (one per column block of d), then the
     # <dH', H> chunks, then spare chunks a program's columns may run into.
     bias_rows = triton.cdiv(d, _bias_grad_block_n(d)) if down_bias is not None and d > 0 else 0
-    part = torch.zeros((bias_rows + num_chunks + _MAX_DH_BLOCK_N // chunk, N), dtype=torch.float32, device=x.device)
+    # The routing-weight gradient's partial sums, by slot; column N stays 0, for the unrouted pairs (slot_of -1)
+    part = torch.zeros((bias_rows + num_chunks + _MAX_DH_BLOCK_N // chunk, N + 1), dtype=torch.float32,
+                       device=x.device)
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
     d_down_bias = None
     if down_bias is not None:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> into part
@@ -764,5 +768,5 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         if busy:
             combine(dx_slots, None, plan.slot_of, T, K, dx, (s0, s1), accumulate=i > 0)
             del dx_slots
-    dweights = part[:bias_rows + num_chunks].sum(0).view(T, K).to(weights.dtype)
+    dweights = part[:bias_rows + num_chunks].sum(0)[plan.slot_of].view(T, K).to(weights.dtype)  # (-1: column N)
     return dx, dweights, d_gate_bias, d_up_bias, d_down_bias
