@@ -195,11 +195,12 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_gemm":  # the GEMM alone: no epilogue registers, so the 256-wide tiles of up and down fit
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_n=2)]
-    elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100, thirteenth session (RESULTS.md), ms
-        # at C / D / A with the partials by pair: 0.556 / 0.749 / 6.13 for this tile with group_m 8, 0.557 / 0.755 /
-        # 5.81 with group_m 1 (the rows' columns in order: longer runs of each row); 128 x 128 halves, 128 x 256 and
-        # 4 warps were 24-75 % slower
-        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=8, num_stages=1, split_n=2, group_m=1)]
+    elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100, thirteenth session (RESULTS.md), ms at
+        # C / D / A, the partials by slot: 128 x 64 tiles with 16 warps and group_m 1 (the rows' columns in order)
+        # 0.418 / 0.556 / 4.40, 2.9 TB/s against a 3.0 TB/s copy; two 64-column halves with 8 warps 0.514 / 0.683 /
+        # 5.48 (with group_m 8 and the partials by pair, the earlier choice: 0.556 / 0.749 / 6.13); 128 x 128 halves,
+        # 128 x 256 and 4 warps were 24-75 % slower than that
+        cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=16, num_stages=1, split_n=1, group_m=1)]
     elif kind == "down":  # H100, 2026-11-21, pointer loads, dX ms: C 1.65 / 1.60 / 2.06, D 2.06 / 2.03 / 2.52
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),

@@ -289,7 +289,8 @@ def test_single_candidate_kinds_never_go_through_the_tuner(monkeypatch):
 
     autotune.launch(Kernel(), Tuned(), "dh_act", lambda meta: (1,), PHASE=2)
     assert [c[0] for c in calls] == ["kernel"]
-    assert calls[0][1]["BLOCK_N"] == 64 and calls[0][1]["SPLIT_N"] == 2 and calls[0][1]["num_stages"] == 1
+    got = calls[0][1]
+    assert (got["BLOCK_N"], got["SPLIT_N"], got["GROUP_M"], got["num_warps"], got["num_stages"]) == (64, 1, 1, 16, 1)
 
 
 # (layout, activation, bias): every gated layout with all biases; the plain activations' layouts without
