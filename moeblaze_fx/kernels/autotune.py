@@ -198,8 +198,8 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100, thirteenth session (RESULTS.md), ms at
         # C / D / A, the partials by slot: 128 x 64 tiles with 16 warps and group_m 1 (the rows' columns in order)
         # 0.418 / 0.556 / 4.40, 2.9 TB/s against a 3.0 TB/s copy; two 64-column halves with 8 warps 0.514 / 0.683 /
-        # 5.48 (with group_m 8 and the partials by pair, the earlier choice: 0.556 / 0.749 / 6.13); 128 x 128 halves,
-        # 128 x 256 and 4 warps were 24-75 % slower than that
+        # 5.48 (with group_m 8 and the partials by pair, the earlier choice: 0.556 / 0.749 / 6.13); a 128 x 128 tile,
+        # two 128-column halves and 4 warps were 15-73 % slower than that
         cfgs = [KernelConfig(block_n=64, block_k=64, num_warps=16, num_stages=1, split_n=1, group_m=1)]
     elif kind == "down":  # H100, 2026-11-21, pointer loads, dX ms: C 1.65 / 1.60 / 2.06, D 2.06 / 2.03 / 2.52
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
