@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from moeblaze_fx.bench.layer import CONFIGS, L2_FLUSH_BYTES, PROVIDERS, _grads, free_memory, make_inputs
+from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, _grads, cuda_step_times, free_memory, make_inputs
 
 
 def mark(msg: str) -> None:
@@ -30,16 +30,7 @@ def mark(msg: str) -> None:
 
 
 def timed_steps(layer, inputs, dev, reps: int) -> list[float]:
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=dev)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush.zero_()
-        starts[i].record()
-        _grads(layer, inputs, i)
-        ends[i].record()
-    torch.cuda.synchronize(dev)
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return cuda_step_times(lambda i: _grads(layer, inputs, i), dev, reps)
 
 
 ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")

@@ -469,23 +469,28 @@ def timer_label(device: torch.device, warmup: int, reps: int) -> str:
     return f"CPU wall clock (not device events), median of {reps} after {warmup} warm-up"
 
 
+def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0) -> list[float]:
+    """Each of ``reps`` steps' time in ms (``step(first)``, ``step(first + 1)``, ...): CUDA events, the L2 flushed
+    before each step, the steps enqueued back to back."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        step(first + i)
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
 def time_steps(step: Callable[[int], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
     """Median step time in ms, and how it was measured."""
     for i in range(warmup):
         step(i)
     _sync(device)
     if device.type == "cuda":
-        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            flush.zero_()
-            starts[i].record()
-            step(warmup + i)
-            ends[i].record()
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        del flush
+        times = cuda_step_times(step, device, reps, warmup)
     else:
         times = []
         for i in range(reps):
