@@ -82,7 +82,7 @@ _MAX_DH_BLOCK_N = 256
 @triton.jit
 def _dh_epilogue(
     acc_dh, acc_a, acc_b,  # [BLOCK_M, BLOCK_N] fp32: dH', and A, B (biases added) when RECOMPUTE
-    col0, start, first, end, slot0, pair, wt, h, alpha, limit,
+    col0, start, first, end, slot0, wt, h, alpha, limit,
     preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype (the window's rows), read unless RECOMPUTE
     dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out
@@ -141,7 +141,7 @@ def _dh_epilogue(
     tl.store(hw_ptrs, (hid * wt[:, None]).to(io_ty), mask=mask)
     # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
     # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0. Stored by slot (the tile's
-    # rows, one contiguous run): by pair they were scattered 4-byte stores, 5-11 % of the split's second launch
+    # rows, one contiguous run): by pair they were scattered 4-byte stores, 5-10 % of the split's second launch
     # (H100, benchmarks/RESULTS.md, thirteenth session).
     part_ptrs = part_ptr + (col0 // CHUNK_N) * stride_part_c + (start + local).to(tl.int64)
     tl.store(part_ptrs, part, mask=row_mask)
@@ -316,12 +316,12 @@ def _expert_dh_kernel(
             acc_a += tl.load(gate_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
         if HAS_UP_BIAS:
             acc_b += tl.load(up_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
-    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, first, end, slot0, pair, wt, h, alpha, limit,
+    _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, first, end, slot0, wt, h, alpha, limit,
                  preact_ptr, dpre_ptr, hw_ptr, part_ptr,
                  stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
                  ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
     if SPLIT_N == 2:
-        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, first, end, slot0, pair, wt, h, alpha, limit,
+        _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, first, end, slot0, wt, h, alpha, limit,
                      preact_ptr, dpre_ptr, hw_ptr, part_ptr,
                      stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
                      ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
