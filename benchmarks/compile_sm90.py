@@ -70,7 +70,7 @@ def compile_kernel(kernel, constexprs: dict, *, num_warps: int = 8, num_stages: 
 def _dh(rows):
     from moeblaze_fx.kernels import expert_bwd
     base = dict(ACT=0, GATED=True, HAS_GATE_BIAS=False, HAS_UP_BIAS=False, W_ALIGN=16, DOT_PRECISION="tf32",
-                CHUNK_N=64, BLOCK_M=128, EVEN_K=True, EVEN_N=True)
+                CHUNK_N=64, BLOCK_M=128, EVEN_K=True, EVEN_N=True, PHASE=0)
     ones = ("stride_g_d", "stride_x_d", "stride_wg_d", "stride_wu_d", "stride_wd_n", "stride_wt_k", "stride_pre_n",
             "stride_dpre_n", "stride_hw_n")
     div16 = ("d", "h", "stride_g_t", "stride_x_t", "stride_wg_n", "stride_wu_n", "stride_wd_d", "stride_pre_s",
