@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ab_device import kernel_times  # (benchmarks/, this script's directory)
 from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, _grads, free_memory, make_inputs
 from moeblaze_fx.kernels import autotune
 
@@ -37,15 +38,9 @@ def use(variant: str) -> None:
 
 
 def dh_act_ms(layer, inputs, dev, steps: int) -> float:
-    from torch.profiler import ProfilerActivity, profile
-    best = None
-    for _ in range(steps):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _grads(layer, inputs, 0)
-            torch.cuda.synchronize(dev)
-        t = sum(ev.device_time_total for ev in prof.key_averages() if ev.key.startswith("_expert_dh_kernel"))
-        best = t if best is None else min(best, t)
-    return best / 1e3
+    """The smallest device time of the activation pass over ``steps`` profiled steps."""
+    return min(kernel_times(lambda: _grads(layer, inputs, 0), dev).get("_expert_dh_kernel", [0.0])[0]
+               for _ in range(steps))
 
 
 def copy_rate(dev) -> float:
