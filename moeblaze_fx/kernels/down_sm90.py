@@ -273,14 +273,22 @@ def weights(b0: torch.Tensor, b1: torch.Tensor | None, kmajor: bool, k_dim: int)
     if k_dim <= 0 or (not kmajor and k_dim % BLOCK_K):
         return None
     block = [BLOCK_N, BLOCK_K] if kmajor else [BLOCK_K, BLOCK_N]
+    got = _row_block_descs([b0, b1 if b1 is not None else b0], block)
+    return None if got is None else Sm90Weights(*got, kmajor, b1 is not None)
+
+
+def _row_block_descs(views: list, block: list[int]) -> tuple[tuple, tuple] | None:
+    """(Gluon descriptors with ``block`` over each ``[E, r, c]`` view's storage rows, each view's rows from one
+    expert to the next), or None when some view's experts are not row blocks of one view (:func:`_rows_view`).
+    The views' bases and row strides are 16-byte aligned: ``expert_fwd.weight_tma_mode`` proved it."""
     descs, e_rows = [], []
-    for v in (b0, b1 if b1 is not None else b0):
+    for v in views:
         rv = _rows_view(v)
-        if rv is None:  # (its base and row stride are the view's: 16-byte aligned, proven by weight_tma_mode)
+        if rv is None:
             return None
         descs.append(GluonDescriptor.from_tensor(rv[0], block, _layout(block, v.dtype)))
         e_rows.append(rv[1])
-    return Sm90Weights(tuple(descs), tuple(e_rows), kmajor, b1 is not None)
+    return tuple(descs), tuple(e_rows)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:

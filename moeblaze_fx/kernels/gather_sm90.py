@@ -295,16 +295,13 @@ def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeigh
     if k_dim <= 0 or k_dim % BLOCK_K:  # (with rows = k, the next expert's rows would be summed in)
         return None
     block = [block_n, BLOCK_K] if kmajor else [BLOCK_K, block_n]
-    descs, e_rows = [], []
-    for v in views:
-        rv = down_sm90._rows_view(v)
-        if rv is None:  # (base and row stride 16-byte aligned: proven by weight_tma_mode)
-            return None
-        descs.append(GluonDescriptor.from_tensor(rv[0], block, down_sm90._layout(block, v.dtype)))
-        e_rows.append(rv[1])
-    if len(descs) == 1:
+    got = down_sm90._row_block_descs(views, block)
+    if got is None:
+        return None
+    descs, e_rows = got
+    if len(descs) == 1:  # dh: W_down in both places
         descs, e_rows = descs * 2, e_rows * 2
-    return GatherWeights(tuple(descs), tuple(e_rows), kmajor)
+    return GatherWeights(descs, e_rows, kmajor)
 
 
 def up_weights(gate, up, kmajor: bool, d: int) -> GatherWeights | None:

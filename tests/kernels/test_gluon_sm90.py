@@ -101,7 +101,8 @@ def test_gather_usable_needs_swiglu_unbiased_and_aligned_rows():
 # ---------------------------------------------------------------------------------------------
 def _need_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"the Gluon kernels run on sm_90 only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+        major, minor = torch.cuda.get_device_capability()
+        pytest.skip(f"the Gluon kernels run on sm_90 only; this device is sm_{major}{minor}")
     if not down_sm90._GLUON:
         pytest.skip("this Triton build has no Gluon")
 
