@@ -87,7 +87,7 @@ if _GLUON:
 
     @gluon.jit
     def _producer(a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
-                  num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a, stride_b,
+                  num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K: gl.constexpr, stride_a, stride_b,
                   ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BK, BM]: 16 bytes a thread
         ks = gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
@@ -196,7 +196,9 @@ if _GLUON:
         b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; its descriptor, block [BK, BN]
         out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), a's dtype, 16-byte aligned
         token_index_ptr, offsets_ptr,
-        num_tiles, num_m, num_n, m_dim, n_dim, K, slot0, slot1, own_end, stride_a, stride_b, stride_o_m, stride_o_n,
+        num_tiles, num_m, num_n, m_dim, n_dim,
+        K: gl.constexpr,  # a compile-time constant: the producer divides 64 pairs by it every step
+        slot0, slot1, own_end, stride_a, stride_b, stride_o_m, stride_o_n,
         ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -213,7 +215,7 @@ if _GLUON:
         ready_a, ready_b, empty = _gather_ring_barriers(STAGES)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
-        m_dim, n_dim, K = gl.to_tensor(m_dim), gl.to_tensor(n_dim), gl.to_tensor(K)
+        m_dim, n_dim = gl.to_tensor(m_dim), gl.to_tensor(n_dim)
         slot0, slot1, own_end = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(own_end)
         stride_a, stride_b = gl.to_tensor(stride_a), gl.to_tensor(stride_b)
         stride_o_m, stride_o_n = gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n)

@@ -80,9 +80,9 @@ if _GLUON:
 
     @gluon.jit
     def _producer(a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, tile0_ptr,
-                  tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, K,
-                  stride_a, e_rows0, e_rows1, BNH: gl.constexpr, SWIGLU: gl.constexpr, B_KMAJOR: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                  tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
+                  K: gl.constexpr, stride_a, e_rows0, e_rows1, BNH: gl.constexpr, SWIGLU: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BM, BK]: 16 bytes a thread
         rs = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
         cs = gl.arange(0, BK, layout=gl.SliceLayout(0, ld))
@@ -207,7 +207,9 @@ if _GLUON:
         c0_desc, c1_desc,  # [slot1 - slot0, n]: H (dh: dH'); [.., 2n]: A|B when SAVE_AB (else c0's again)
         c0_ptr, c1_ptr,  # the same buffers, for ragged tiles
         token_index_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
-        num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
+        num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim,
+        K: gl.constexpr,  # a compile-time constant, as in dw_sm90 (a runtime division costs dozens of instructions)
+        stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -231,7 +233,7 @@ if _GLUON:
         ready_a, ready_b, empty = dw_sm90._gather_ring_barriers(STAGES)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
-        slot0, slot1, K = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(K)
+        slot0, slot1 = gl.to_tensor(slot0), gl.to_tensor(slot1)
         k_dim, n_dim, stride_a = gl.to_tensor(k_dim), gl.to_tensor(n_dim), gl.to_tensor(stride_a)
         e_rows0, e_rows1 = gl.to_tensor(e_rows0), gl.to_tensor(e_rows1)
         stride_c0, stride_c1 = gl.to_tensor(stride_c0), gl.to_tensor(stride_c1)
@@ -248,8 +250,8 @@ if _GLUON:
     @gluon.jit
     def _up_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
-                        n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, SAVE_AB: gl.constexpr,
-                        B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
+                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
@@ -259,8 +261,8 @@ if _GLUON:
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
-                        n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, SAVE_AB: gl.constexpr,
-                        B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
+                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,

@@ -120,6 +120,7 @@ GPU_CASES = [
     (900, 256, 256, 8, 2, "random", "hf_fused", False, torch.bfloat16, 500, 8, 12, (4, 4)),
     (600, 192, 256, 8, 2, "random", "list", True, torch.bfloat16, 0, 0, 0, (0, 0)),
     (1, 256, 256, 3, 2, "random", "dense", False, torch.bfloat16, 0, 2, 3, (1, 1)),
+    (500, 256, 256, 6, 3, "random", "hf_fused", False, torch.bfloat16, 0, 2, 3, (1, 1)),  # K = 3: not a power of 2
     (400, 256, 192, 4, 2, "random", "dense", False, torch.bfloat16, 0, 2, 0, (1, 1)),
     # W_gate, W_up with n contiguous (the up kernel's halves side by side along a buffer's columns), W_down with k
     # contiguous; dX's two tables with k contiguous and dW's h % 256 != 0 take the Triton kernels
