@@ -11,14 +11,17 @@ bitwise equal (checked on the H100: ``benchmarks/proto_dw_ws_h100.json`` and the
 
 One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of ``b``'s), expert by expert:
 
-* one producer warpgroup fills a 3-stage ring: ``b``'s 64 slot rows through TMA, ``a``'s 64 token rows gathered with
-  cp.async (zeros past the expert's end; the token indices loaded one step ahead). Each producer thread arrives on
-  the stage's A barrier when its copies land, the TMA copy completes the B barrier;
+* one producer warpgroup fills two rings: ``A_STAGES`` of ``a``'s 64 token rows, gathered with cp.async (zeros past
+  the expert's end; the token indices loaded one step ahead), and ``B_STAGES`` of ``b``'s 64 slot rows through TMA.
+  A step's rows are gathered as soon as their stage is free, before the producer waits for ``b``'s stage, so the
+  gather runs one step further ahead than the TMA copies. Each producer thread arrives on the A stage's barrier when
+  its copies land, the TMA copy completes the B stage's;
 * the default partition (8 warps, two warpgroups of 64 rows) multiplies, then writes the tile through shared memory
   with 16-byte stores along the output's contiguous axis (``O_COL``: a transposed table, as dW_gate and dW_up are).
 
 An expert's last step, when ragged, copies ``b``'s rows with cp.async too, as zeros past the expert's end (the
-rows there belong to the next expert, or are unrouted slots that nothing writes), as the Triton kernel masks them.
+rows there belong to the next expert, or are unrouted slots that nothing writes), as the Triton kernel masks them;
+those copies land under the A stage's barrier.
 
 H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 4-7 % at D, 1-3 % at A
 (benchmarks/RESULTS.md, eleventh session). :func:`usable` says when a launch qualifies; everything else takes the
@@ -52,7 +55,9 @@ __all__ = ["ENV_VAR", "enabled", "usable", "dw_sm90", "launches"]
 
 ENV_VAR = "MOEBLAZE_GLUON_DW"
 TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
-STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
+# a's 16 KB and b's 32 KB stages: with the 64 KB output tile, 224 KB of shared memory (a fourth stage of the
+# gathered operand, as in gather_sm90)
+A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
@@ -86,9 +91,10 @@ if _GLUON:
         return e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add
 
     @gluon.jit
-    def _producer(a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
-                  num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K: gl.constexpr, stride_a, stride_b,
-                  ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a, empty_b,
+                  offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K: gl.constexpr,
+                  stride_a, stride_b, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
+                  SB: gl.constexpr):
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [BK, BM]: 16 bytes a thread
         ks = gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
         cs = gl.arange(0, BM, layout=gl.SliceLayout(0, ld))
@@ -106,29 +112,36 @@ if _GLUON:
                 slots = seg_lo + k * BK + ks
                 rows = nxt
                 nxt = gl.load(token_index_ptr + gl.minimum(slots + BK, last)) // K  # the next step's, ahead
-                s = g % STAGES
-                mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the MMA that read the stage is done
+                sa = g % SA
+                sb = g % SB
+                mbarrier.wait(empty_a.index(sa), ((g // SA) & 1) ^ 1)  # the MMA that read the stage is done
                 if seg_lo + (k + 1) * BK <= seg_hi:
-                    mbarrier.expect(ready_b.index(s), b_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(b_desc, [seg_lo - slot0 + k * BK, pid_n * BN], ready_b.index(s),
-                                                    b_bufs.index(s))
+                    cp.async_copy_global_to_shared(a_bufs.index(sa), cols + rows.to(gl.int64)[:, None] * stride_a,
+                                                   mask=(slots < seg_hi)[:, None])
+                    cp.mbarrier_arrive(ready_a.index(sa), increment_count=False)
+                    mbarrier.wait(empty_b.index(sb), ((g // SB) & 1) ^ 1)
+                    mbarrier.expect(ready_b.index(sb), b_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(b_desc, [seg_lo - slot0 + k * BK, pid_n * BN], ready_b.index(sb),
+                                                    b_bufs.index(sb))
                 else:  # the expert's ragged last step: b's rows past its end may be anything (unrouted slots are
                     # never written), so they are copied as zeros too, with a's, under ready_a
-                    mbarrier.arrive(ready_b.index(s))
-                    sb = seg_lo + k * BK + ksb
+                    mbarrier.wait(empty_b.index(sb), ((g // SB) & 1) ^ 1)
+                    mbarrier.arrive(ready_b.index(sb))
+                    rb = seg_lo + k * BK + ksb
                     cb = pid_n * BN + csb
                     cp.async_copy_global_to_shared(
-                        b_bufs.index(s), b_ptr + (sb - slot0).to(gl.int64)[:, None] * stride_b + cb[None, :],
-                        mask=(sb < seg_hi)[:, None])  # n_dim % BN == 0 (usable)
-                cp.async_copy_global_to_shared(a_bufs.index(s), cols + rows.to(gl.int64)[:, None] * stride_a,
-                                               mask=(slots < seg_hi)[:, None])
-                cp.mbarrier_arrive(ready_a.index(s), increment_count=False)
+                        b_bufs.index(sb), b_ptr + (rb - slot0).to(gl.int64)[:, None] * stride_b + cb[None, :],
+                        mask=(rb < seg_hi)[:, None])  # n_dim % BN == 0 (usable)
+                    cp.async_copy_global_to_shared(a_bufs.index(sa), cols + rows.to(gl.int64)[:, None] * stride_a,
+                                                   mask=(slots < seg_hi)[:, None])
+                    cp.mbarrier_arrive(ready_a.index(sa), increment_count=False)
                 g += 1
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, out_table_ptr, offsets_ptr, num_tiles, num_m,
-                  num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE: gl.constexpr,
-                  MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, offsets_ptr, num_tiles,
+                  num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE: gl.constexpr,
+                  MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
+                  SB: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         if O_COL:  # 16 bytes a thread down a column
             st: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 8], [0, 1])
@@ -154,17 +167,18 @@ if _GLUON:
                     else:
                         acc = gl.zeros([BM, BN], gl.float32, layout=mma)
                     for k in range(n_k):
-                        s = g % STAGES
-                        mbarrier.wait(ready_a.index(s), (g // STAGES) & 1)
-                        mbarrier.wait(ready_b.index(s), (g // STAGES) & 1)
+                        sa = g % SA
+                        sb = g % SB
+                        mbarrier.wait(ready_a.index(sa), (g // SA) & 1)
+                        mbarrier.wait(ready_b.index(sb), (g // SB) & 1)
                         fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads the async one
-                        acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc,
+                        acc = warpgroup_mma(a_bufs.index(sa).permute((1, 0)), b_bufs.index(sb), acc,
                                             use_acc=(k > 0) | MAY_ADD, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)  # step k - 1's is done
+                        release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                         g += 1
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+                    release(empty_a, empty_b, g - 1, SA, SB, True)
                     c_smem.store(acc.to(dtype))
                     v = c_smem.load(st)
                 else:  # no slots here: this window writes the expert's zeros
@@ -177,18 +191,23 @@ if _GLUON:
                          mask=(r < m_dim)[:, None] & (c < n_dim)[None, :])
 
     @gluon.jit
-    def _gather_ring_barriers(STAGES: gl.constexpr):
-        """(ready_a, ready_b, empty) of a ring whose A is gathered by a 4-warp producer: ready_a counts one arrival
-        per producer thread (each arrives when its cp.async copies land), ready_b completes with the TMA copies,
-        empty is arrived by the consumers."""
-        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    def ring_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
+        """(ready, empty) of a ring of ``STAGES``: ready counts ``READY_COUNT`` arrivals (128 where each thread of a
+        4-warp producer arrives when its cp.async copies land; 1 where TMA copies complete it), empty one arrival
+        of the consumers."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready_a.index(i), count=128)
-            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(ready.index(i), count=READY_COUNT)
             mbarrier.init(empty.index(i), count=1)
-        return ready_a, ready_b, empty
+        return ready, empty
+
+    @gluon.jit
+    def release(empty_a, empty_b, g, SA: gl.constexpr, SB: gl.constexpr, pred):
+        """Step ``g``'s stages of both rings are free again: its MMA is done (``g`` may be -1 where ``pred`` is
+        false)."""
+        mbarrier.arrive(empty_a.index((g + SA) % SA), pred=pred)
+        mbarrier.arrive(empty_b.index((g + SB) % SB), pred=pred)
 
     @gluon.jit
     def _expert_dw_sm90_kernel(
@@ -200,19 +219,20 @@ if _GLUON:
         K: gl.constexpr,  # a compile-time constant: the producer divides 64 pairs by it every step
         slot0, slot1, own_end, stride_a, stride_b, stride_o_m, stride_o_n,
         ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """grid = (min(SMs, num_tiles),), num_warps=8 (consumers) + a 4-warp producer."""
         dtype: gl.constexpr = b_desc.dtype
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BM], gl.NVMMASharedLayout.get_default_for([BK, BM],
-                                                                                                         dtype))
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES, BK, BM],
+                                           gl.NVMMASharedLayout.get_default_for([BK, BM], dtype))
+        b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_desc.block_type.shape, b_desc.layout)
         if O_COL:  # m contiguous in shared memory too: the stores read 16-byte vectors along m
             c_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
         else:
             c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
-        ready_a, ready_b, empty = _gather_ring_barriers(STAGES)
+        ready_a, empty_a = ring_barriers(A_STAGES, 128)
+        ready_b, empty_b = ring_barriers(B_STAGES, 1)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
         m_dim, n_dim = gl.to_tensor(m_dim), gl.to_tensor(n_dim)
@@ -220,12 +240,12 @@ if _GLUON:
         stride_a, stride_b = gl.to_tensor(stride_a), gl.to_tensor(stride_b)
         stride_o_m, stride_o_n = gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n)
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, out_table_ptr, offsets_ptr, num_tiles, num_m,
-                         num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE, MAY_ADD,
-                         O_COL, GROUP_M, STAGES)),
-            (_producer, (a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, offsets_ptr,
-                         num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a, stride_b,
-                         ACCUMULATE, GROUP_M, STAGES)),
+            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, offsets_ptr,
+                         num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n,
+                         ACCUMULATE, MAY_ADD, O_COL, GROUP_M, A_STAGES, B_STAGES)),
+            (_producer, (a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a, empty_b,
+                         offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a,
+                         stride_b, ACCUMULATE, GROUP_M, A_STAGES, B_STAGES)),
         ], [4], [PRODUCER_REGS])
 
 
@@ -270,6 +290,6 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
         tokens, slots, b_desc, out.ptrs, plan.token_index, plan.offsets, num_tiles, num_m, num_n, m_dim, n_dim, K,
         slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, GROUP_M=GROUP_M,
-        STAGES=STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
+        A_STAGES=A_STAGES, B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
     _LAUNCHES[0] += 1

@@ -15,10 +15,12 @@ contraction steps, the same activation arithmetic), so the results are bitwise e
 
 One program per SM walks the output tiles in the Triton kernels' grouped order (``down_sm90._tile``):
 
-* one producer warpgroup fills a ring of ``STAGES`` shared buffers: the tile's 128 token rows, 64 columns a step,
-  gathered with cp.async (the token indices loaded once a tile; rows outside the tile's own read a row it owns), and
-  the weight tiles through TMA over 2-D descriptors of the tables' storage (``down_sm90.weights``' views). Each
-  producer thread arrives on the stage's A barrier when its copies land, the TMA copies complete the B barrier;
+* one producer warpgroup fills two rings of shared buffers: ``A_STAGES`` of the tile's 128 token rows, 64 columns a
+  step, gathered with cp.async (the token indices loaded once a tile; rows outside the tile's own read a row it owns),
+  and ``B_STAGES`` of the weight tiles through TMA over 2-D descriptors of the tables' storage
+  (``down_sm90.weights``' views). A step's rows are issued as soon as their stage is free, before the producer waits
+  for the weights' stage, so the gather runs one step further ahead than the TMA copies. Each producer thread
+  arrives on the A stage's barrier when its copies land, the TMA copies complete the B stage's;
 * the default partition (8 warps, two warpgroups of 64 rows) multiplies into one 128 x 256 fp32 accumulator: for
   the up projection 128 columns of A beside the same 128 columns of B (the producer copies W_gate's and W_up's tiles
   side by side into one shared buffer, so one pass over x computes both), for dh 256 columns of dH'. The tile goes
@@ -61,7 +63,9 @@ ENV_VAR = "MOEBLAZE_GLUON_GATHER"
 BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
 UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
 DH_BLOCK_N = 256
-STAGES = 3  # 48 KB a stage (x: 16 KB, weights: 32 KB); with the 64 KB output tile, 208 KB of shared memory
+# x's 16 KB and the weights' 32 KB stages: with the 64 KB output tile, 224 KB of shared memory. The fourth x stage
+# made up and dh's GEMM 4-6 % faster at C and D, 1 % at A (H100; benchmarks/RESULTS.md, fifteenth session).
+A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
@@ -79,10 +83,10 @@ if _GLUON:
             tma.async_copy_global_to_shared(desc, [e * e_rows + k * BK, n0], bar, buf)
 
     @gluon.jit
-    def _producer(a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty, tile0_ptr,
-                  tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
-                  K: gl.constexpr, stride_a, e_rows0, e_rows1, BNH: gl.constexpr, SWIGLU: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a, empty_b,
+                  tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
+                  k_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, BNH: gl.constexpr, SWIGLU: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr, SB: gl.constexpr):
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BM, BK]: 16 bytes a thread
         rs = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
         cs = gl.arange(0, BK, layout=gl.SliceLayout(0, ld))
@@ -106,18 +110,20 @@ if _GLUON:
                 rows = a_ptr + tok.to(gl.int64)[:, None] * stride_a + cs[None, :]
                 n0 = pid_n * BNH
                 for k in range(n_k):
-                    s = g % STAGES
-                    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the MMA that read the stage is done
-                    mbarrier.expect(ready_b.index(s), nbytes)
+                    sa = g % SA
+                    mbarrier.wait(empty_a.index(sa), ((g // SA) & 1) ^ 1)  # the MMA that read the stage is done
+                    cp.async_copy_global_to_shared(a_bufs.index(sa), rows + k * BK)
+                    cp.mbarrier_arrive(ready_a.index(sa), increment_count=False)
+                    sb = g % SB
+                    mbarrier.wait(empty_b.index(sb), ((g // SB) & 1) ^ 1)
+                    mbarrier.expect(ready_b.index(sb), nbytes)
                     if SWIGLU:  # gate's BNH columns, then up's: one 2 BNH-wide product
-                        _load_b(b0_desc, e_rows0, e, n0, k, ready_b.index(s),
-                                b_bufs.index(s).slice(0, BNH, dim=n_axis), B_KMAJOR)
-                        _load_b(b1_desc, e_rows1, e, n0, k, ready_b.index(s),
-                                b_bufs.index(s).slice(BNH, BNH, dim=n_axis), B_KMAJOR)
+                        _load_b(b0_desc, e_rows0, e, n0, k, ready_b.index(sb),
+                                b_bufs.index(sb).slice(0, BNH, dim=n_axis), B_KMAJOR)
+                        _load_b(b1_desc, e_rows1, e, n0, k, ready_b.index(sb),
+                                b_bufs.index(sb).slice(BNH, BNH, dim=n_axis), B_KMAJOR)
                     else:
-                        _load_b(b0_desc, e_rows0, e, n0, k, ready_b.index(s), b_bufs.index(s), B_KMAJOR)
-                    cp.async_copy_global_to_shared(a_bufs.index(s), rows + k * BK)
-                    cp.mbarrier_arrive(ready_a.index(s), increment_count=False)
+                        _load_b(b0_desc, e_rows0, e, n0, k, ready_b.index(sb), b_bufs.index(sb), B_KMAJOR)
                     g += 1
 
     @gluon.constexpr_function
@@ -143,10 +149,10 @@ if _GLUON:
             gl.store(c_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c + cols[None, :], v, mask=mask)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, c0_desc, c1_desc, c0_ptr, c1_ptr, tile0_ptr,
-                  tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim,
-                  stride_c0, stride_c1, BNH: gl.constexpr, SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr, c1_ptr,
+                  tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
+                  k_dim, n_dim, stride_c0, stride_c1, BNH: gl.constexpr, SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr, SB: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0."""
         BN: gl.constexpr = c_smem.shape[1]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
@@ -161,20 +167,21 @@ if _GLUON:
                 gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
                 acc = gl.zeros([BM, BN], gl.float32, layout=mma)
                 for k in range(n_k):
-                    s = g % STAGES
-                    mbarrier.wait(ready_a.index(s), (g // STAGES) & 1)
-                    mbarrier.wait(ready_b.index(s), (g // STAGES) & 1)
+                    sa = g % SA
+                    sb = g % SB
+                    mbarrier.wait(ready_a.index(sa), (g // SA) & 1)
+                    mbarrier.wait(ready_b.index(sb), (g // SB) & 1)
                     fence_async_shared()  # cp.async wrote A through the generic proxy; wgmma reads the async one
                     if B_KMAJOR:
-                        b = b_bufs.index(s).permute((1, 0))
+                        b = b_bufs.index(sb).permute((1, 0))
                     else:
-                        b = b_bufs.index(s)
-                    acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=k > 0, is_async=True)
+                        b = b_bufs.index(sb)
+                    acc = warpgroup_mma(a_bufs.index(sa), b, acc, use_acc=k > 0, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)  # step k - 1's is done
+                    dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                     g += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+                dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
                 n0 = pid_n * BNH
                 row = start - slot0
                 full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
@@ -211,7 +218,7 @@ if _GLUON:
         K: gl.constexpr,  # a compile-time constant, as in dw_sm90 (a runtime division costs dozens of instructions)
         stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """The body of both kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -221,16 +228,17 @@ if _GLUON:
         else:
             BN: gl.constexpr = BNH
         dtype: gl.constexpr = b0_desc.dtype
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK],
-                                                                                                         dtype))
+        a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES, BM, BK],
+                                           gl.NVMMASharedLayout.get_default_for([BM, BK], dtype))
         if B_KMAJOR:
             b_block: gl.constexpr = [BN, BK]
         else:
             b_block: gl.constexpr = [BK, BN]
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_block, gl.NVMMASharedLayout.get_default_for(b_block,
-                                                                                                          dtype))
+        b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_block,
+                                           gl.NVMMASharedLayout.get_default_for(b_block, dtype))
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
-        ready_a, ready_b, empty = dw_sm90._gather_ring_barriers(STAGES)
+        ready_a, empty_a = dw_sm90.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
+        ready_b, empty_b = dw_sm90.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
         slot0, slot1 = gl.to_tensor(slot0), gl.to_tensor(slot1)
@@ -238,12 +246,14 @@ if _GLUON:
         e_rows0, e_rows1 = gl.to_tensor(e_rows0), gl.to_tensor(e_rows1)
         stride_c0, stride_c1 = gl.to_tensor(stride_c0), gl.to_tensor(stride_c1)
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty, c0_desc, c1_desc, c0_ptr, c1_ptr,
-                         tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0,
-                         slot1, k_dim, n_dim, stride_c0, stride_c1, BNH, SWIGLU, SAVE_AB, B_KMAJOR, GROUP_M, STAGES)),
-            (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty,
-                         tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0,
-                         slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, STAGES)),
+            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
+                         c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
+                         slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, BNH, SWIGLU, SAVE_AB, B_KMAJOR, GROUP_M,
+                         A_STAGES, B_STAGES)),
+            (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
+                         empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
+                         slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
+                         B_STAGES)),
         ], [4], [PRODUCER_REGS])
 
     # Two names for one kernel, so that profiles tell the up projection from dh's GEMM.
@@ -251,23 +261,23 @@ if _GLUON:
     def _up_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
-                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, True, SAVE_AB, B_KMAJOR, GROUP_M,
-                     STAGES, PRODUCER_REGS)
+                     A_STAGES, B_STAGES, PRODUCER_REGS)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
-                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, False, SAVE_AB, B_KMAJOR, GROUP_M,
-                     STAGES, PRODUCER_REGS)
+                     A_STAGES, B_STAGES, PRODUCER_REGS)
 
 
 def enabled() -> bool:
@@ -354,7 +364,8 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0),
-        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M, STAGES=STAGES, PRODUCER_REGS=_PRODUCER_REGS,
+        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M, A_STAGES=A_STAGES,
+        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS,
         num_warps=8,
     )
     _LAUNCHES[0] += 1
