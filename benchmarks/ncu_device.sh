@@ -9,7 +9,7 @@
 # compiles and autotunes unprofiled, and the first LAUNCHES (default 2) launches of the second step whose
 # name matches are profiled (cudaProfilerStart, --profile-from-start off). Writes OUT/NAME.txt (ncu's details page:
 # speed of light, memory workload, warp stalls, occupancy, launch statistics). `--clock-control none`: the
-# card's clocks stay as they are (METHOD.md).
+# card's clocks stay as they are (METHOD.md). NCU_EXTRA: more ncu arguments, e.g. "--section SourceCounters".
 set -uo pipefail
 out=${1:?usage: bash benchmarks/ncu_device.sh OUT [CONFIG] [JOBS]}
 config=${2:-C}
@@ -20,7 +20,7 @@ ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 default_jobs="dh=_expert_dh_kernel;dw=_expert_dw_kernel;up=_expert_up_kernel"
 IFS=';' read -ra jobs <<< "${3:-$default_jobs}"
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
-          --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats)
+          --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats ${NCU_EXTRA:-})
 for job in "${jobs[@]}"; do
     name=${job%%=*}; rest=${job#*=}; regex=${rest%%@*}; pin=""
     [[ $rest == *@* ]] && pin=${rest#*@}

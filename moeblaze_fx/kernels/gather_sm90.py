@@ -64,7 +64,7 @@ BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
 UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
 DH_BLOCK_N = 256
 # x's 16 KB and the weights' 32 KB stages: with the 64 KB output tile, 224 KB of shared memory. The fourth x stage
-# made up and dh's GEMM 4-6 % faster at C and D, 1 % at A (H100; benchmarks/RESULTS.md, fifteenth session).
+# made up and dh's GEMM 2-4 % faster at C and D, and no faster at A (H100; benchmarks/RESULTS.md, fifteenth session).
 A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
