@@ -1,66 +1,131 @@
-"""Where the host's time goes in one layer step (Python's cProfile), for steps bound by their launches.
+"""Host against device time of one layer step, and where the host's time goes (Python's cProfile).
 
-    PYTHONPATH=. python3 benchmarks/host_profile.py OUTDIR [--config C] [--provider moeblaze-lowmem] [--steps 5]
+    PYTHONPATH=. python3 benchmarks/host_profile.py OUTDIR [--configs C,D] [--providers moeblaze-activations]
+        [--steps 6] [--top 35]
 
-Two untimed steps (compilation, autotuning), then --steps steps under cProfile with one synchronisation at
-the end. Writes OUTDIR/host_<config>_<provider>.txt (top functions by own time and by cumulative time) and
-prints the first lines of each, with the host and device milliseconds per step.
+For each config and provider: three untimed steps (compilation, autotuning), then
+
+* ``eager_ms``: the layer bench's timer (CUDA events, L2 flushed before each step, steps enqueued back to back);
+* ``host_ms`` / ``device_ms``: the same steps enqueued behind a GPU sleep long enough that the host never waits
+  for the device: the host's time to enqueue a step (``host_fwd_ms`` of it up to the forward's output), and the
+  device's time to run it with no host in the way (the events around the steps, after the sleep);
+* ``kernels``: kernel launches in one step (torch.profiler);
+* the same blocked enqueue under cProfile: OUTDIR/host_<config>_<provider>.txt, top functions by own and by
+  cumulative time.
+
+Writes OUTDIR/host.json and prints one line per config and provider. ``eager_ms`` near ``host_ms`` and above
+``device_ms`` means the step is bound by its launches.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
+import statistics
 import sys
 import time
 
 import torch
 
-from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, _grads, make_inputs
+from moeblaze_fx.bench.layer import CONFIGS, L2_FLUSH_BYTES, PROVIDERS, _grads, cuda_step_times, free_memory, \
+    make_inputs
+
+
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def blocked(layer, inputs, steps: int, first: int, cycles_per_ms: float, profile: cProfile.Profile | None = None):
+    """Enqueue ``steps`` steps behind a GPU sleep; (host ms a step, host ms a forward, device ms a step)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(cycles_per_ms * 60 * steps))  # a step's host time is well under 60 ms
+    start.record()
+    host, fwd = [], []
+    if profile is not None:
+        profile.enable()
+    for i in range(steps):
+        flush.zero_()
+        t0 = time.perf_counter()
+        x, grad_y = inputs.pool[(first + i) % len(inputs.pool)]
+        y, _ = layer(x, *inputs.params, inputs.K)
+        t1 = time.perf_counter()
+        torch.autograd.grad(y, (x, *inputs.params), grad_y)
+        t2 = time.perf_counter()
+        host.append((t2 - t0) * 1e3)
+        fwd.append((t1 - t0) * 1e3)
+    if profile is not None:
+        profile.disable()
+    end.record()
+    if end.query():
+        raise RuntimeError("the GPU finished before the host had enqueued the steps: lengthen the sleep")
+    torch.cuda.synchronize()
+    return statistics.median(host), statistics.median(fwd), start.elapsed_time(end) / steps
+
+
+def kernel_count(layer, inputs) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _grads(layer, inputs, 0)
+        torch.cuda.synchronize()
+    return sum(ev.count for ev in prof.key_averages() if ev.device_type.name == "CUDA" and "Memset" not in ev.key
+               and "Memcpy" not in ev.key)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("outdir")
-    p.add_argument("--config", default="C")
-    p.add_argument("--provider", default="moeblaze-lowmem")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--configs", default="C,D")
+    p.add_argument("--providers", default="moeblaze-activations")
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--top", type=int, default=35)
     args = p.parse_args()
     os.makedirs(args.outdir, exist_ok=True)
     dev = torch.device("cuda")
-    inputs = make_inputs(CONFIGS[args.config], dev, torch.bfloat16, seed=0)
-    layer, _ = PROVIDERS[args.provider].build(dev, torch.bfloat16)
-    for i in range(2):
-        _grads(layer, inputs, i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    prof = cProfile.Profile()
-    start.record()
-    t0 = time.perf_counter()
-    prof.enable()
-    for i in range(args.steps):
-        _grads(layer, inputs, i)
-    prof.disable()
-    host_ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    end.record()
-    torch.cuda.synchronize()
-    device_ms = start.elapsed_time(end) / args.steps
-    text = [f"{args.config} {args.provider}: host {host_ms:.2f} ms per step under cProfile (enqueue), "
-            f"events {device_ms:.2f} ms per step"]
-    for key in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
-        text.append(f"--- by {key}\n" + buf.getvalue())
-    path = os.path.join(args.outdir, f"host_{args.config}_{args.provider}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(text))
-    print(text[0])
-    for block in text[1:]:
-        lines = [ln for ln in block.splitlines() if ln.strip()]
-        print("\n".join(lines[:8 + min(args.top, 25)]))
+    cycles_per_ms = sleep_cycles_per_ms()
+    rows = []
+    for cfg_name in args.configs.split(","):
+        for name in args.providers.split(","):
+            inputs = make_inputs(CONFIGS[cfg_name], dev, torch.bfloat16, seed=0)
+            layer, _ = PROVIDERS[name].build(dev, torch.bfloat16)
+            for i in range(3):
+                _grads(layer, inputs, i)
+            torch.cuda.synchronize()
+            eager = statistics.median(cuda_step_times(lambda i: _grads(layer, inputs, i), dev, 10, 3))
+            host, fwd, device = blocked(layer, inputs, args.steps, 3, cycles_per_ms)
+            prof = cProfile.Profile()
+            p_host, _, _ = blocked(layer, inputs, args.steps, 3, cycles_per_ms, prof)
+            row = {"config": cfg_name, "provider": name, "eager_ms": round(eager, 3), "host_ms": round(host, 3),
+                   "host_fwd_ms": round(fwd, 3), "device_ms": round(device, 3),
+                   "kernels": kernel_count(layer, inputs), "host_ms_under_cprofile": round(p_host, 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            text = [json.dumps(row)]
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
+                text.append(f"--- by {key}\n" + buf.getvalue())
+            with open(os.path.join(args.outdir, f"host_{cfg_name}_{name}.txt"), "w") as f:
+                f.write("\n".join(text))
+            del inputs, layer
+            free_memory(dev)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "commit": os.environ.get("MOEBLAZE_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
+            "steps": args.steps}
+    with open(os.path.join(args.outdir, "host.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 
