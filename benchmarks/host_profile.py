@@ -1,6 +1,7 @@
 """Host against device time of one layer step, and where the host's time goes (Python's cProfile).
 
-    PYTHONPATH=. python3 benchmarks/host_profile.py OUTDIR [--configs C,D] [--providers moeblaze-activations]
+    PYTHONPATH=. python3 benchmarks/host_profile.py OUTDIR [--configs C,D] [--shape T,d,h,E,K ...]
+        [--providers moeblaze-activations]
         [--steps 6] [--top 35]
 
 For each config and provider: three untimed steps (compilation, autotuning), then
@@ -11,7 +12,10 @@ For each config and provider: three untimed steps (compilation, autotuning), the
   device's time to run it with no host in the way (the events around the steps, after the sleep);
 * ``kernels``: kernel launches in one step (torch.profiler);
 * the same blocked enqueue under cProfile: OUTDIR/host_<config>_<provider>.txt, top functions by own and by
-  cumulative time.
+  cumulative time;
+* ``breakdown``: the same blocked enqueue again with the functions of :data:`TIMED` wrapped in timers: per
+  function, calls and inclusive host milliseconds a step (cProfile cannot see inside the custom operators, which
+  run under a dynamo-disabled frame, and inflates call-heavy code).
 
 Writes OUTDIR/host.json and prints one line per config and provider. ``eager_ms`` near ``host_ms`` and above
 ``device_ms`` means the step is bound by its launches.
@@ -31,7 +35,77 @@ import time
 import torch
 
 from moeblaze_fx.bench.layer import CONFIGS, L2_FLUSH_BYTES, PROVIDERS, _grads, cuda_step_times, free_memory, \
-    make_inputs
+    make_inputs, parse_config
+
+
+# (module, attribute): the functions timed for the breakdown, inclusive of what they call
+TIMED = [
+    ("moeblaze_fx.bench.layer", "route"),
+    ("moeblaze_fx.ops", "moe_ffn"), ("moeblaze_fx.ops", "layout_of"), ("moeblaze_fx.ops", "_check_inputs"),
+    ("moeblaze_fx.ops", "_check_ids_range"), ("moeblaze_fx.ops", "_expert_weights"), ("moeblaze_fx.ops", "_make_plan"),
+    ("moeblaze_fx.ops", "_grad_buffers"), ("moeblaze_fx.ops", "_kernel_backward"),
+    ("moeblaze_fx.kernels.expert_fwd", "expert_forward"), ("moeblaze_fx.kernels.expert_fwd", "check_expert_inputs"),
+    ("moeblaze_fx.kernels.expert_fwd", "slot_windows"), ("moeblaze_fx.kernels.expert_fwd", "down_operand"),
+    ("moeblaze_fx.kernels.expert_fwd", "down_project"), ("moeblaze_fx.kernels.expert_fwd", "combine"),
+    ("moeblaze_fx.kernels.expert_fwd", "_up_sm90_weights"),
+    ("moeblaze_fx.kernels.expert_bwd", "expert_backward"), ("moeblaze_fx.kernels.expert_bwd", "_weight_grad"),
+    ("moeblaze_fx.kernels.expert_bwd", "check_grad_tables"), ("moeblaze_fx.kernels.expert_bwd", "_dh_sm90_weights"),
+    ("moeblaze_fx.kernels.gather_sm90", "_launch"), ("moeblaze_fx.kernels.down_sm90", "down_sm90"),
+    ("moeblaze_fx.kernels.down_sm90", "_row_block_descs"), ("moeblaze_fx.kernels.dw_sm90", "dw_sm90"),
+    ("moeblaze_fx.kernels.dispatch", "dispatch"), ("moeblaze_fx.kernels.tables", "table_of"),
+    ("moeblaze_fx.kernels.tables", "tables_of"), ("moeblaze_fx.kernels.autotune", "launch"),
+]
+
+
+def install_timers(stats: dict):
+    """Wrap :data:`TIMED`, the custom operators' implementations, Triton's kernel launches and Gluon's descriptor
+    constructor in timers adding into ``stats[name] = [calls, seconds]``; returns a function that undoes it."""
+    import importlib
+
+    import triton.runtime.jit as jit
+
+    from moeblaze_fx import ops
+
+    undo = []
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                s = stats.setdefault(name, [0, 0.0])
+                s[0] += 1
+                s[1] += time.perf_counter() - t0
+        return wrapper
+
+    def patch(owner, attr, name):
+        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        if isinstance(orig, classmethod):
+            setattr(owner, attr, classmethod(timed(name, orig.__func__)))
+        else:
+            setattr(owner, attr, timed(name, orig))
+        undo.append(lambda: setattr(owner, attr, orig))
+
+    for module, attr in TIMED:
+        patch(importlib.import_module(module), attr, f"{module.rsplit('.', 1)[-1]}.{attr}")
+    patch(jit.JITFunction, "run", "triton JITFunction.run")
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        patch(TensorDescriptor, "from_tensor", "gluon TensorDescriptor.from_tensor")
+    except ImportError:
+        pass
+    for op, name in ((ops._moe_ffn, "op moe_ffn impl"), (ops._moe_ffn_backward, "op moe_ffn_backward impl")):
+        fns = op._backend_fns
+        key = next(iter(fns))
+        orig = fns[key]
+        fns[key] = timed(name, orig)
+        undo.append(lambda fns=fns, key=key, orig=orig: fns.__setitem__(key, orig))
+
+    def restore():
+        for u in reversed(undo):
+            u()
+    return restore
 
 
 def sleep_cycles_per_ms() -> float:
@@ -88,6 +162,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("outdir")
     p.add_argument("--configs", default="C,D")
+    p.add_argument("--shape", action="append", default=[], metavar="T,d,h,E,K")
     p.add_argument("--providers", default="moeblaze-activations")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--top", type=int, default=35)
@@ -96,9 +171,11 @@ def main() -> int:
     dev = torch.device("cuda")
     cycles_per_ms = sleep_cycles_per_ms()
     rows = []
-    for cfg_name in args.configs.split(","):
+    shapes = [CONFIGS[c] for c in args.configs.split(",") if c] + [parse_config(s) for s in args.shape]
+    for cfg in shapes:
+        cfg_name = cfg.name
         for name in args.providers.split(","):
-            inputs = make_inputs(CONFIGS[cfg_name], dev, torch.bfloat16, seed=0)
+            inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
             layer, _ = PROVIDERS[name].build(dev, torch.bfloat16)
             for i in range(3):
                 _grads(layer, inputs, i)
@@ -110,8 +187,24 @@ def main() -> int:
             row = {"config": cfg_name, "provider": name, "eager_ms": round(eager, 3), "host_ms": round(host, 3),
                    "host_fwd_ms": round(fwd, 3), "device_ms": round(device, 3),
                    "kernels": kernel_count(layer, inputs), "host_ms_under_cprofile": round(p_host, 3)}
+            del layer  # rebuilt with the timers in place (the layer binds moe_ffn when built)
+            stats: dict = {}
+            restore = install_timers(stats)
+            try:
+                layer, _ = PROVIDERS[name].build(dev, torch.bfloat16)
+                _grads(layer, inputs, 0)
+                torch.cuda.synchronize()
+                stats.clear()
+                t_host, _, _ = blocked(layer, inputs, args.steps, 3, cycles_per_ms)
+            finally:
+                restore()
+            row["host_ms_with_timers"] = round(t_host, 3)
+            row["breakdown"] = {k: [v[0] / args.steps, round(v[1] * 1e3 / args.steps, 3)]
+                                for k, v in sorted(stats.items(), key=lambda kv: -kv[1][1])}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "breakdown"}), flush=True)
+            for k, (calls, ms) in row["breakdown"].items():
+                print(f"    {k:45s} {calls:6.1f} calls {ms:8.3f} ms a step", flush=True)
             text = [json.dumps(row)]
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()

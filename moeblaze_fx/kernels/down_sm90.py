@@ -30,6 +30,7 @@ compare it with the Triton kernel bit for bit. ``MOEBLAZE_GLUON_DOWN=0`` turns i
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -257,7 +258,12 @@ def _rows_view(v: torch.Tensor):
 
 
 def _layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return _layout_of(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_of(block: tuple, dtype):  # a few microseconds a call otherwise, for each of ~17 descriptors a step
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def weights(b0: torch.Tensor, b1: torch.Tensor | None, kmajor: bool, k_dim: int) -> Sm90Weights | None:

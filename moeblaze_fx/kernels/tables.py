@@ -7,9 +7,12 @@ transposed or interleaved view of it) or E separate ``nn.Linear`` weights of a `
 kernels load ``ptrs[e]`` once per program and cast it to a pointer. Gradients are written through
 tables of the same form, so a weight gradient lands in the parameter's own layout with no copy.
 
-Tables of one ``[E, r, c]`` tensor are built on the device (an ``arange``; no host-to-device copy, so
-CUDA-graph capture works). Tables of separate tensors are a host-to-device copy of E addresses,
-cached by those addresses: the table's content is a function of the key, so a hit is always right.
+Tables of one ``[E, r, c]`` tensor are built on the device (one ``arange``; no host-to-device copy, so
+CUDA-graph capture works) and cached by (first address, E, expert stride, device, stream): the
+table's content is a function of the key, so a hit is always right, and a step reuses the last
+step's tables instead of launching a kernel for each (three of them per call and role before the
+cache: 27 launches and ~0.6 ms of host time per training step, H100, RESULTS.md sixteenth session).
+Tables of separate tensors are a host-to-device copy of E addresses, cached by those addresses.
 """
 from __future__ import annotations
 
@@ -61,9 +64,32 @@ def table_of(w: Tensor) -> WeightTable:
     if w.dim() != 3:
         raise ValueError(f"table_of expects an [E, rows, cols] tensor, got shape {tuple(w.shape)}")
     E, r, c = w.shape
-    ptrs = torch.arange(E, device=w.device, dtype=torch.int64) * (w.stride(0) * w.element_size()) + w.data_ptr()
+    ptrs = _strided_ptrs(w.data_ptr(), E, w.stride(0) * w.element_size() if E > 1 else 0, w.device)
     align = math.gcd(16, w.data_ptr(), w.stride(0) * w.element_size() if E > 1 else 0)
     return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, align, w)
+
+
+def _strided_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
+    """``[E]`` int64 addresses ``first + e * step`` on ``device``. On CUDA, cached per stream (a hit is never read
+    on a stream the kernel that wrote it may not have reached), except while that stream captures a CUDA graph:
+    a tensor made then holds its values only once the graph replays."""
+    if device.type != "cuda":
+        return _arange_ptrs(first, E, step, device)
+    if torch.cuda.is_current_stream_capturing():
+        return _arange_ptrs(first, E, step, device)
+    stream = torch.cuda.current_stream(device)
+    return _cached_strided_ptrs(first, E, step, stream.device, stream.cuda_stream)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_strided_ptrs(first: int, E: int, step: int, device: torch.device, stream: int) -> Tensor:  # noqa: ARG001
+    return _arange_ptrs(first, E, step, device)
+
+
+def _arange_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
+    if step == 0 or E == 0:  # one expert, or every expert at one address (a broadcast view)
+        return torch.full((E,), first, dtype=torch.int64, device=device)
+    return torch.arange(first, first + E * step, step, dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=256)

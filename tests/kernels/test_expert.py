@@ -616,6 +616,44 @@ def test_launch_takes_the_tuned_choice_directly_after_the_first_launch_of_a_key(
     assert go(x16, 8, 1, True) == "tuner"
 
 
+def test_table_of_addresses():
+    # One table entry per expert: the first address plus e times the expert stride in bytes, whatever the view.
+    w = torch.empty(5, 3, 4)
+    step = 12 * w.element_size()
+    expect = [w.data_ptr() + e * step for e in range(5)]
+    assert table_of(w).ptrs.tolist() == expect
+    assert table_of(w.transpose(1, 2)).ptrs.tolist() == expect
+    assert table_of(w[::2]).ptrs.tolist() == expect[::2]
+    assert table_of(w[2:3]).ptrs.tolist() == [expect[2]]
+    assert table_of(w[:0]).ptrs.numel() == 0
+    one = torch.empty(3, 4)
+    assert table_of(one.expand(5, 3, 4)).ptrs.tolist() == [one.data_ptr()] * 5  # expert stride 0
+
+
+@pytest.mark.cuda
+def test_table_of_is_cached_per_stream_and_not_while_capturing():
+    # A step reuses the last step's table (no launch); another stream gets its own (it may not have reached the
+    # kernel that wrote the first); under CUDA-graph capture a table is made afresh and not cached, since it holds
+    # its values only once the graph replays.
+    w = torch.empty(4, 8, 16, device="cuda", dtype=torch.bfloat16)
+    a = table_of(w).ptrs
+    assert table_of(w).ptrs is a
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        b = table_of(w).ptrs
+        assert table_of(w).ptrs is b
+    assert b is not a
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = table_of(w).ptrs
+        assert table_of(w).ptrs is not c
+    assert c is not a and c is not b and table_of(w).ptrs is a
+    graph.replay()
+    torch.cuda.synchronize()
+    expect = [w.data_ptr() + e * w.stride(0) * 2 for e in range(4)]
+    assert a.tolist() == b.tolist() == c.tolist() == expect
+
+
 def test_table_align_is_the_largest_proven_power_of_two():
     # The kernels' 16-byte loads rest on this hint: the tables' own `align` (bytes), lowered to a power of two
     # dividing it, the minimum over the tables; a table without the field proves nothing (1).
