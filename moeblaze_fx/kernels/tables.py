@@ -10,8 +10,8 @@ tables of the same form, so a weight gradient lands in the parameter's own layou
 Tables of one ``[E, r, c]`` tensor are built on the device (one ``arange``; no host-to-device copy, so
 CUDA-graph capture works) and cached by (first address, E, expert stride, device, stream): the
 table's content is a function of the key, so a hit is always right, and a step reuses the last
-step's tables instead of launching a kernel for each (three of them per call and role before the
-cache: 27 launches and ~0.6 ms of host time per training step, H100, RESULTS.md sixteenth session).
+step's tables instead of launching kernels for them (three launches per table before: 27 of a layer
+step's 78; H100, benchmarks/RESULTS.md, sixteenth session).
 Tables of separate tensors are a host-to-device copy of E addresses, cached by those addresses.
 """
 from __future__ import annotations
