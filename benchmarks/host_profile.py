@@ -9,7 +9,8 @@ For each config and provider: three untimed steps (compilation, autotuning), the
 * ``eager_ms``: the layer bench's timer (CUDA events, L2 flushed before each step, steps enqueued back to back);
 * ``host_ms`` / ``device_ms``: the same steps enqueued behind a GPU sleep long enough that the host never waits
   for the device: the host's time to enqueue a step (``host_fwd_ms`` of it up to the forward's output), and the
-  device's time to run it with no host in the way (the events around the steps, after the sleep);
+  device's time to run it with no host in the way (the events around the steps, after the sleep; it includes the
+  L2 flush before each step, which ``eager_ms`` leaves out);
 * ``kernels``: kernel launches in one step (torch.profiler);
 * the same blocked enqueue under cProfile: OUTDIR/host_<config>_<provider>.txt, top functions by own and by
   cumulative time;
