@@ -73,9 +73,7 @@ def _strided_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor
     """``[E]`` int64 addresses ``first + e * step`` on ``device``. On CUDA, cached per stream (a hit is never read
     on a stream the kernel that wrote it may not have reached), except while that stream captures a CUDA graph:
     a tensor made then holds its values only once the graph replays."""
-    if device.type != "cuda":
-        return _arange_ptrs(first, E, step, device)
-    if torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _arange_ptrs(first, E, step, device)
     stream = torch.cuda.current_stream(device)
     return _cached_strided_ptrs(first, E, step, stream.device, stream.cuda_stream)
