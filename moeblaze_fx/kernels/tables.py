@@ -64,9 +64,9 @@ def table_of(w: Tensor) -> WeightTable:
     if w.dim() != 3:
         raise ValueError(f"table_of expects an [E, rows, cols] tensor, got shape {tuple(w.shape)}")
     E, r, c = w.shape
-    ptrs = _strided_ptrs(w.data_ptr(), E, w.stride(0) * w.element_size() if E > 1 else 0, w.device)
-    align = math.gcd(16, w.data_ptr(), w.stride(0) * w.element_size() if E > 1 else 0)
-    return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, align, w)
+    step = w.stride(0) * w.element_size() if E > 1 else 0  # bytes from one expert's matrix to the next
+    ptrs = _strided_ptrs(w.data_ptr(), E, step, w.device)
+    return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, math.gcd(16, w.data_ptr(), step), w)
 
 
 def _strided_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
