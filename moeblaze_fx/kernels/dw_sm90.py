@@ -16,8 +16,13 @@ One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of 
   A step's rows are gathered as soon as their stage is free, before the producer waits for ``b``'s stage, so the
   gather runs one step further ahead than the TMA copies. Each producer thread arrives on the A stage's barrier when
   its copies land, the TMA copy completes the B stage's;
-* the default partition (8 warps, two warpgroups of 64 rows) multiplies, then writes the tile through shared memory
-  with 16-byte stores along the output's contiguous axis (``O_COL``: a transposed table, as dW_gate and dW_up are).
+* the default partition (8 warps, two warpgroups of 64 rows) multiplies, then writes the tile to shared memory and
+  from there to the output. Where the table addresses one ``[E, r, c]`` tensor whose experts are row blocks of one
+  2-D view (``STORE_TMA``: Hugging Face's and every stacked layout), the tile leaves through an asynchronous TMA
+  store, waited for only before the next tile's, and so overlaps the next tile's contraction; for a transposed table
+  (``O_COL``, as dW_gate and dW_up are) the shared tile is [n, m], written with transposing stmatrix. Otherwise (a
+  table of separate tensors, or ``MOEBLAZE_DW_STORE_TMA=0``) it is read back and stored with 16-byte pointer stores
+  along the output's contiguous axis.
 
 An expert's last step, when ragged, copies ``b``'s rows with cp.async too, as zeros past the expert's end (the
 rows there belong to the next expert, or are unrouted slots that nothing writes), as the Triton kernel masks them;
@@ -51,9 +56,11 @@ if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
         warpgroup_mma_wait,
     )
 
-__all__ = ["ENV_VAR", "enabled", "usable", "dw_sm90", "launches"]
+__all__ = ["ENV_VAR", "STORE_TMA_ENV_VAR", "enabled", "store_tma_enabled", "usable", "dw_sm90", "launches",
+           "store_launches"]
 
 ENV_VAR = "MOEBLAZE_GLUON_DW"
+STORE_TMA_ENV_VAR = "MOEBLAZE_DW_STORE_TMA"
 TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
 # a's 16 KB and b's 32 KB stages: with the 64 KB output tile, 224 KB of shared memory (a fourth stage of the
 # gathered operand, as in gather_sm90)
@@ -61,6 +68,7 @@ A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
+_STORE_LAUNCHES = [0]  # launches whose tiles left through TMA stores
 
 
 if _GLUON:
@@ -138,10 +146,10 @@ if _GLUON:
                 g += 1
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, offsets_ptr, num_tiles,
-                  num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n, ACCUMULATE: gl.constexpr,
-                  MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr):
+    def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, c_desc, e_rows,
+                  offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n,
+                  ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, STORE_TMA: gl.constexpr,
+                  GROUP_M: gl.constexpr, SA: gl.constexpr, SB: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         if O_COL:  # 16 bytes a thread down a column
             st: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 8], [0, 1])
@@ -179,16 +187,29 @@ if _GLUON:
                         g += 1
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     release(empty_a, empty_b, g - 1, SA, SB, True)
-                    c_smem.store(acc.to(dtype))
-                    v = c_smem.load(st)
+                    tile = acc.to(dtype)
                 else:  # no slots here: this window writes the expert's zeros
-                    v = gl.zeros([BM, BN], dtype, layout=st)
-                # int32 offsets inside the expert's matrix, built from the tile's indices here: loop-invariant ones
-                # are hoisted out of the tile loop, stay live through it and spill (as 64-bit ones do)
-                r = pid_m * BM + rows
-                c = pid_n * BN + cols
-                gl.store(out_e + (r[:, None] * stride_o_m + c[None, :] * stride_o_n), v,
-                         mask=(r < m_dim)[:, None] & (c < n_dim)[None, :])
+                    tile = gl.zeros([BM, BN], dtype, layout=mma)
+                if STORE_TMA:  # the tile leaves through an asynchronous TMA store, waited for before the next tile's
+                    tma.store_wait(0)  # the previous tile's store has read c_smem
+                    if O_COL:  # c_smem is [BN, BM], m contiguous as in the output
+                        c_smem.permute((1, 0)).store(tile)
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(c_desc, [e * e_rows + pid_n * BN, pid_m * BM], c_smem)
+                    else:
+                        c_smem.store(tile)
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(c_desc, [e * e_rows + pid_m * BM, pid_n * BN], c_smem)
+                else:
+                    c_smem.store(tile)
+                    v = c_smem.load(st)
+                    # int32 offsets inside the expert's matrix, built from the tile's indices here: loop-invariant
+                    # ones are hoisted out of the tile loop, stay live through it and spill (as 64-bit ones do)
+                    r = pid_m * BM + rows
+                    c = pid_n * BN + cols
+                    gl.store(out_e + (r[:, None] * stride_o_m + c[None, :] * stride_o_n), v,
+                             mask=(r < m_dim)[:, None] & (c < n_dim)[None, :])
+        tma.store_wait(0)
 
     @gluon.jit
     def ring_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
@@ -214,23 +235,29 @@ if _GLUON:
         a_ptr,  # [T, m_dim] read at row token(s): dy or x; unit column stride
         b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; its descriptor, block [BK, BN]
         out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), a's dtype, 16-byte aligned
+        c_desc,  # with STORE_TMA: dW as 2-D row blocks, expert e's [m, n] (or, O_COL, [n, m]) at rows e * e_rows ..;
+        # block [BM, BN] (O_COL: [BN, BM]); else out_table_ptr again, unused
+        e_rows,
         token_index_ptr, offsets_ptr,
         num_tiles, num_m, num_n, m_dim, n_dim,
         K: gl.constexpr,  # a compile-time constant: the producer divides 64 pairs by it every step
         slot0, slot1, own_end, stride_a, stride_b, stride_o_m, stride_o_n,
-        ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, GROUP_M: gl.constexpr,
-        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, STORE_TMA: gl.constexpr,
+        GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """grid = (min(SMs, num_tiles),), num_warps=8 (consumers) + a 4-warp producer."""
         dtype: gl.constexpr = b_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES, BK, BM],
                                            gl.NVMMASharedLayout.get_default_for([BK, BM], dtype))
         b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_desc.block_type.shape, b_desc.layout)
-        if O_COL:  # m contiguous in shared memory too: the stores read 16-byte vectors along m
-            c_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+        if STORE_TMA:
+            c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
         else:
-            c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
-        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
+            if O_COL:  # m contiguous in shared memory too: the stores read 16-byte vectors along m
+                c_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+            else:
+                c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+            c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
         ready_a, empty_a = ring_barriers(A_STAGES, 128)
         ready_b, empty_b = ring_barriers(B_STAGES, 1)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
@@ -238,11 +265,11 @@ if _GLUON:
         m_dim, n_dim = gl.to_tensor(m_dim), gl.to_tensor(n_dim)
         slot0, slot1, own_end = gl.to_tensor(slot0), gl.to_tensor(slot1), gl.to_tensor(own_end)
         stride_a, stride_b = gl.to_tensor(stride_a), gl.to_tensor(stride_b)
-        stride_o_m, stride_o_n = gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n)
+        stride_o_m, stride_o_n, e_rows = gl.to_tensor(stride_o_m), gl.to_tensor(stride_o_n), gl.to_tensor(e_rows)
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, offsets_ptr,
-                         num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n,
-                         ACCUMULATE, MAY_ADD, O_COL, GROUP_M, A_STAGES, B_STAGES)),
+            (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, c_desc, e_rows,
+                         offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m,
+                         stride_o_n, ACCUMULATE, MAY_ADD, O_COL, STORE_TMA, GROUP_M, A_STAGES, B_STAGES)),
             (_producer, (a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a, empty_b,
                          offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a,
                          stride_b, ACCUMULATE, GROUP_M, A_STAGES, B_STAGES)),
@@ -257,6 +284,11 @@ def enabled() -> bool:
 def launches() -> int:
     """How many times this process has launched the kernel (for tests)."""
     return _LAUNCHES[0]
+
+
+def store_launches() -> int:
+    """How many of those launches stored their tiles through TMA (for tests)."""
+    return _STORE_LAUNCHES[0]
 
 
 def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
@@ -277,6 +309,26 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
                                                                        (out.stride_c * item) % 16 == 0)
 
 
+def store_tma_enabled() -> bool:
+    """``MOEBLAZE_DW_STORE_TMA`` is not "0" (read at every call): output tiles leave through TMA stores where
+    :func:`_store_desc` can describe the output."""
+    return os.environ.get(STORE_TMA_ENV_VAR, "1") != "0"
+
+
+def _store_desc(out):
+    """(descriptor, e_rows) through which the kernel stores dW tiles with TMA, or None: the output table must address
+    one ``[E, m, n]`` tensor (``out.dense``) whose experts are row blocks of one 2-D view, rows along m (n contiguous)
+    or, for a transposed table (``O_COL``), along n (m contiguous). Alignment is :func:`usable`'s."""
+    if out.dense is None or not store_tma_enabled():
+        return None
+    col = out.stride_c != 1
+    rv = down_sm90._rows_view(out.dense.transpose(1, 2) if col else out.dense)
+    if rv is None:
+        return None
+    block = [TILE[1], TILE[0]] if col else [TILE[0], TILE[1]]
+    return GluonDescriptor.from_tensor(rv[0], block, down_sm90._layout(block, out.dtype)), rv[1]
+
+
 def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumulate: bool,
             window: tuple[int, int, int]) -> None:
     """``expert_bwd._weight_grad`` through this kernel (:func:`usable` true)."""
@@ -284,12 +336,15 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     layout = down_sm90._layout([TILE[2], TILE[1]], slots.dtype)
     b_desc = GluonDescriptor.from_tensor(slots, [TILE[2], TILE[1]], layout)
+    store = _store_desc(out)
+    c_desc, e_rows = store if store is not None else (out.ptrs, 0)
     num_m, num_n = -(-m_dim // TILE[0]), -(-n_dim // TILE[1])
     num_tiles = E * num_m * num_n
     _expert_dw_sm90_kernel[(min(down_sm90._sm_count(tokens.device), num_tiles),)](
-        tokens, slots, b_desc, out.ptrs, plan.token_index, plan.offsets, num_tiles, num_m, num_n, m_dim, n_dim, K,
-        slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
-        ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, GROUP_M=GROUP_M,
-        A_STAGES=A_STAGES, B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
+        tokens, slots, b_desc, out.ptrs, c_desc, e_rows, plan.token_index, plan.offsets, num_tiles, num_m, num_n,
+        m_dim, n_dim, K, slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
+        ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, STORE_TMA=store is not None,
+        GROUP_M=GROUP_M, A_STAGES=A_STAGES, B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
     _LAUNCHES[0] += 1
+    _STORE_LAUNCHES[0] += store is not None

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_fwd, gather_sm90
-from moeblaze_fx.kernels.tables import table_of
+from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_bwd, expert_fwd, gather_sm90
+from moeblaze_fx.kernels.tables import table_of, table_of_list
 
 from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
 
@@ -73,6 +73,30 @@ def test_dw_never_taken_on_the_cpu():
     assert not dw_sm90.usable(x, slots, out, 16)
 
 
+def test_dw_store_descriptor_covers_each_experts_matrix(monkeypatch):
+    # The descriptor dW's tiles are stored through: expert e's output at rows e * e_rows of a 2-D view, rows along m
+    # where n is contiguous (dW_down), along n where m is (dW_gate, dW_up read transposed from Hugging Face's
+    # [E, 2h, d]); none for a table of separate tensors (ModuleList experts) or with MOEBLAZE_DW_STORE_TMA=0.
+    E, h, d = 3, 256, 128
+    gate_up = torch.randn(E, 2 * h, d, dtype=torch.bfloat16)
+    down = torch.randn(E, d, h, dtype=torch.bfloat16)
+    gate_t = expert_bwd._transposed(table_of(gate_up[:, :h]))  # [d, h] per expert, m contiguous: O_COL
+    up_t = expert_bwd._transposed(table_of(gate_up[:, h:]))
+    for table, rows, e_rows, block, matrix in [
+            (gate_t, (E - 1) * 2 * h + h, 2 * h, [256, 128], lambda e: gate_up[e, :h]),
+            (up_t, (E - 1) * 2 * h + h, 2 * h, [256, 128], lambda e: gate_up[e, h:]),
+            (table_of(down), E * d, d, [128, 256], lambda e: down[e])]:
+        desc, got_rows = dw_sm90._store_desc(table)
+        assert got_rows == e_rows and list(desc.block_shape) == block
+        assert tuple(desc.shape) == (rows, matrix(0).shape[1])
+        flat = desc.base.as_strided(desc.shape, desc.strides)
+        for e in range(E):
+            assert torch.equal(flat[e * e_rows: e * e_rows + matrix(e).shape[0]], matrix(e))
+    assert dw_sm90._store_desc(table_of_list(list(down))) is None
+    monkeypatch.setenv(dw_sm90.STORE_TMA_ENV_VAR, "0")
+    assert dw_sm90._store_desc(table_of(down)) is None
+
+
 def test_gather_never_taken_on_the_cpu():
     w = torch.randn(4, 256, 128, dtype=torch.bfloat16)
     assert gather_sm90.up_weights(w, w, True, 128) is None
@@ -131,6 +155,7 @@ GPU_CASES = [
 def _switch(monkeypatch, on: bool) -> None:
     for mod in (down_sm90, dw_sm90, gather_sm90):
         monkeypatch.setenv(mod.ENV_VAR, "1" if on else "0")
+    monkeypatch.delenv(dw_sm90.STORE_TMA_ENV_VAR, raising=False)
 
 
 def _poison() -> None:
@@ -154,10 +179,11 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
                      ids_mode=ids_mode, seed=T + 5)
     _switch(monkeypatch, True)
     _poison()
-    before = _launches()
+    before, stores = _launches(), dw_sm90.store_launches()
     y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
     gathers = gather[0] + (gather[1] if policy == "activations" else 0)
     assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
+    assert dw_sm90.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
     _switch(monkeypatch, False)
     before = _launches()
     y2, o2 = run_kernels(case, policy, window_slots=window_slots)
@@ -188,6 +214,32 @@ def test_gluon_dw_accumulates_like_triton_cuda(monkeypatch, window_slots):
         out.append(grads)
     assert all(torch.equal(a, b) for a, b in zip(*out))
     assert not all(torch.equal(a, b) for a, b in zip(out[0], start)), "nothing was accumulated"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window_slots", [0, 500])
+@pytest.mark.parametrize("layout", ["hf_fused", "transposed", "list"])
+def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_slots):
+    # dW's tiles leave through TMA stores where the output is one [E, r, c] tensor (rows along m, or along n for
+    # the transposed dW_gate / dW_up of hf_fused), through pointer stores for ModuleList experts (a table of
+    # addresses) or with MOEBLAZE_DW_STORE_TMA=0. Windows: later windows add onto experts started earlier.
+    _need_sm90()
+    case = make_case(900, 256, 256, 8, 2, act="swiglu", layout=layout, device="cuda", dtype=torch.bfloat16,
+                     ids_mode="empty_expert", seed=17)
+    windows = expert_fwd.num_slot_windows(1800, window_slots)
+    out = []
+    for store_tma in ("1", "0"):
+        _switch(monkeypatch, True)
+        monkeypatch.setenv(dw_sm90.STORE_TMA_ENV_VAR, store_tma)
+        _poison()
+        launches, stores = dw_sm90.launches(), dw_sm90.store_launches()
+        y, o = run_kernels(case, "activations", window_slots=window_slots)
+        assert dw_sm90.launches() - launches == 3 * windows
+        expected = 3 * windows if store_tma == "1" and layout != "list" else 0
+        assert dw_sm90.store_launches() - stores == expected
+        assert all(torch.isfinite(g).all() for g in o["storage"]), "an unwritten weight gradient element"
+        out.append(o["storage"])
+    assert all(torch.equal(a, b) for a, b in zip(*out)), "TMA and pointer stores differ"
 
 
 @pytest.mark.cuda
