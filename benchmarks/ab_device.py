@@ -67,6 +67,14 @@ def print_kernels(per_value: dict[str, dict[str, list]], top: int = 14) -> None:
         print(f"    {n[:60]:60s} {cells}")
 
 
+def print_spread(samples: dict[str, dict[str, list]], names: list[str]) -> None:
+    """Median (min-max) of each value's profiled samples for the kernels ``names``."""
+    for n in names:
+        cells = ", ".join(f"{statistics.median(s[n]):.3f} ({min(s[n]):.3f}-{max(s[n]):.3f})" if n in s else "-"
+                          for s in samples.values())
+        print(f"    median (min-max) {n[:43]:43s} {cells}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("outdir")
@@ -79,7 +87,10 @@ def main() -> int:
     p.add_argument("--providers", default="moeblaze-recompute,moeblaze-lowmem")
     p.add_argument("--device", default="cuda")
     p.add_argument("--profile", action="store_true",
-                   help="then one step per value under torch.profiler: device time per kernel name")
+                   help="then steps under torch.profiler, values in turn: device time per kernel name")
+    p.add_argument("--profile-rounds", type=int, default=2,
+                   help="profiled steps per value with --profile (the kept time is the smallest; every sample is "
+                        "written to the JSON's kernel_samples and the spread printed)")
     p.add_argument("--top", type=int, default=14, help="kernel names printed per value with --profile")
     p.add_argument("--commit", default=os.environ.get("MOEBLAZE_COMMIT", "unknown"))
     args = p.parse_args()
@@ -112,16 +123,20 @@ def main() -> int:
                        tflops={v: layer_flops(cfg) / statistics.median(t) / 1e9 for v, t in times.items()})
             if args.profile:
                 # The profiler's first step runs slow (its start-up): one untimed profile first, then the values
-                # in turn, twice; per kernel name the smaller of the two.
+                # in turn, --profile-rounds times; per kernel name the smallest, and every sample.
                 kernel_times(lambda: _grads(layer, inputs, 0), dev)
-                row["kernels"] = {}
-                for _ in range(2):
+                row["kernels"], row["kernel_samples"] = {}, {v: {} for v in values}
+                for _ in range(args.profile_rounds):
                     for v in values:
                         os.environ[args.var] = v
                         got = kernel_times(lambda: _grads(layer, inputs, 0), dev)
                         prev = row["kernels"].get(v, got)
                         row["kernels"][v] = {k: min(got[k], prev.get(k, got[k])) for k in got}
+                        for k, (ms, _) in got.items():
+                            row["kernel_samples"][v].setdefault(k, []).append(ms)
                 print_kernels(row["kernels"], args.top)
+                if args.profile_rounds > 2:
+                    print_spread(row["kernel_samples"], list(row["kernels"][values[0]])[:6])
             rows.append(row)
             print(f"{cfg.name} {prov}: " + ", ".join(f"{args.var}={v}: {', '.join(f'{t:.2f}' for t in ts)} ms "
                                                      f"(host {', '.join(f'{t:.2f}' for t in host[v])})"
