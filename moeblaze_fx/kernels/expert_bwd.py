@@ -23,7 +23,9 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
     dweights = partials.sum(0)[slot_of]                                 (fixed order: deterministic)
     _expert_dw_kernel   dW_down[e]    = sum_{s in e} dy[tok_s].T (w*H)[s]  (dy gathered, slots = contraction)
     _expert_down_kernel dX[s]         = dA[s] @ W_gate[e] + dB[s] @ W_up[e]  (row tiles; two K loops, one acc)
-    _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB
+    _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB;
+                        one launch for both, [dW_gate | dW_up][e].T from dA|dB, where up's rows follow gate's
+                        in one [E, 2h, d] tensor (Hugging Face's fused gate_up)
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order)
 
@@ -70,7 +72,7 @@ from .expert_fwd import (
     weight_tma_mode,
 )
 from .reference import Activation, DispatchPlan
-from .tables import ExpertTables, WeightTable
+from .tables import ExpertTables, WeightTable, table_of
 
 __all__ = ["expert_backward"]
 
@@ -556,6 +558,20 @@ def _transposed(t: WeightTable) -> WeightTable:
                       dense=None if t.dense is None else t.dense.transpose(1, 2))
 
 
+def _gate_up_table(gate: WeightTable, up: WeightTable | None) -> WeightTable | None:
+    """One table of the ``[E, 2h, c]`` view that holds gate's rows and then up's, where up's matrices are gate's
+    shifted by h rows (Hugging Face's fused ``gate_up``, its gradient likewise): then dW_gate and dW_up are one dW
+    launch over dA|dB's 2h columns, each output element summed as in two launches. None otherwise."""
+    if up is None or gate.dense is None or up.dense is None or gate.dtype != up.dtype:
+        return None
+    g, u = gate.dense, up.dense
+    E, h, c = g.shape
+    if u.shape != g.shape or u.stride() != g.stride() or g.stride(1) == 0 or h == 0 or \
+            u.data_ptr() != g.data_ptr() + h * g.stride(1) * g.element_size():
+        return None
+    return table_of(g.as_strided((E, 2 * h, c), g.stride()))
+
+
 def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
                  accumulate: bool, window: tuple[int, int, int]) -> None:
     """dW[e] (+)= sum over e's slots s in the window of tokens[token(s)].T @ slots[s - slot0], written through
@@ -705,6 +721,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
     w_dx = down_operand(w.gate, w.up, True, h, x)
     dh_sm90 = _dh_sm90_weights(w, d, x) if not recompute and DH_SPLIT else None
+    grads_gate_up = _gate_up_table(grads.gate, grads.up)  # dW_gate and dW_up as one launch, or None
     for i, win in enumerate(windows):
         s0, s1 = win.slot0, win.slot1
         n = s1 - s0
@@ -757,9 +774,12 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
         if not skip:
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
-            _weight_grad(x, dpre[:, :h], _transposed(grads.gate), plan, K, accumulate, dw_window)
-            if act.gated:
-                _weight_grad(x, dpre[:, h:], _transposed(grads.up), plan, K, accumulate, dw_window)
+            if grads_gate_up is not None:
+                _weight_grad(x, dpre, _transposed(grads_gate_up), plan, K, accumulate, dw_window)
+            else:
+                _weight_grad(x, dpre[:, :h], _transposed(grads.gate), plan, K, accumulate, dw_window)
+                if act.gated:
+                    _weight_grad(x, dpre[:, h:], _transposed(grads.up), plan, K, accumulate, dw_window)
         if gate_bias is not None:
             d_gate_bias += _bias_grad(dpre[:, :h], False, None, plan, K, E, window=(s0, s1))
         if up_bias is not None:

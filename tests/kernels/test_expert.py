@@ -306,6 +306,42 @@ def test_weight_layouts_read_and_written_in_place(layout, act, bias):
     check_against_reference(case, "activations", tol=1e-5)
 
 
+# layout -> dW launches per window: one for gate and up together where up's rows follow gate's in one [E, 2h, d]
+# gradient (Hugging Face's fused gate_up), one each otherwise (interleaved rows, separate tensors, a ModuleList)
+DW_LAUNCHES = {"hf_fused": 2, "interleaved": 3, "dense": 3, "transposed": 3, "list": 3}
+
+
+@pytest.mark.parametrize("window_slots", [0, 25], ids=["one_window", "windows"])
+@pytest.mark.parametrize("layout", list(DW_LAUNCHES))
+def test_gate_and_up_gradients_in_one_dw_launch_where_adjacent(monkeypatch, layout, window_slots):
+    case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout=layout, ids_mode="empty_expert", seed=13)
+    calls = []
+    real = expert_bwd._weight_grad
+
+    def spy(tokens, slots, out, *args):
+        calls.append((out.rows, out.cols))
+        return real(tokens, slots, out, *args)
+    monkeypatch.setattr(expert_bwd, "_weight_grad", spy)
+    check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
+    windows = expert_fwd.num_slot_windows(37 * 3, window_slots)
+    assert len(calls) == DW_LAUNCHES[layout] * windows
+    # dW_down [d, h], then dW_gate and dW_up computed transposed: [d, 2h] at once, or [d, h] each
+    assert set(calls) == ({(40, 24), (40, 48)} if layout == "hf_fused" else {(40, 24)})
+
+
+def test_gate_up_table_needs_up_h_rows_after_gate():
+    w = torch.zeros(4, 2 * 8, 16)  # [E, 2h, d]
+    gate, up = table_of(w[:, :8]), table_of(w[:, 8:])
+    both = expert_bwd._gate_up_table(gate, up)
+    assert (both.rows, both.cols, both.stride_r, both.stride_c) == (16, 16, 16, 1)
+    assert torch.equal(both.ptrs, gate.ptrs) and both.dense.shape == (4, 16, 16)
+    assert expert_bwd._gate_up_table(up, gate) is None  # up's rows before gate's
+    assert expert_bwd._gate_up_table(table_of(w[:, 0::2]), table_of(w[:, 1::2])) is None  # interleaved rows
+    assert expert_bwd._gate_up_table(gate, table_of(torch.zeros(4, 8, 16))) is None  # another tensor
+    assert expert_bwd._gate_up_table(gate, None) is None  # a plain activation
+    assert expert_bwd._gate_up_table(table_of_list(list(w[:, :8])), table_of_list(list(w[:, 8:]))) is None
+
+
 # (T, d, h, E, K, ids_mode, why)
 CPU_CASES = [
     (37, 40, 24, 5, 3, "empty_expert", "T, d, h not multiples of the tile; an expert with no token"),
