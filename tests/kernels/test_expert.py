@@ -339,6 +339,9 @@ def test_gate_up_table_needs_up_h_rows_after_gate():
     assert expert_bwd._gate_up_table(table_of(w[:, 0::2]), table_of(w[:, 1::2])) is None  # interleaved rows
     assert expert_bwd._gate_up_table(gate, table_of(torch.zeros(4, 8, 16))) is None  # another tensor
     assert expert_bwd._gate_up_table(gate, None) is None  # a plain activation
+    wt = torch.zeros(4, 16, 2 * 8)  # [E, d, 2h] stored transposed (gate columns, then up's): adjacent too
+    both_t = expert_bwd._gate_up_table(table_of(wt[:, :, :8].transpose(1, 2)), table_of(wt[:, :, 8:].transpose(1, 2)))
+    assert (both_t.rows, both_t.cols, both_t.stride_r, both_t.stride_c) == (16, 16, 1, 16)
     assert expert_bwd._gate_up_table(table_of_list(list(w[:, :8])), table_of_list(list(w[:, 8:]))) is None
 
 
