@@ -744,11 +744,6 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 phases = [(_expert_dh_tuned, "dh", 0)]
             for tuned_kernel, kind, phase in phases:
                 if phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
-                    if gather_sm90.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
-                        # both phases in one launch: the same dA|dB and w*H, bitwise
-                        gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, pre, dpre,
-                                                part[bias_rows:], weights)
-                        break
                     gather_sm90.dh_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw)  # the same dH', bitwise
                     continue
                 autotune.launch(
