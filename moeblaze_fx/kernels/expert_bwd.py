@@ -37,7 +37,8 @@ adding onto those that started earlier; dx and the bias gradients add up across 
 On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.dw_sm90` when the
 shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
 ``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel. Likewise dh's GEMM (the split's first launch) goes to the gathering
-kernel of :mod:`.gather_sm90` when d % 64 == 0 and W_down is row blocks of one tensor (``MOEBLAZE_GLUON_GATHER=0``).
+kernel of :mod:`.gather_sm90` when d % 64 == 0 and W_down is row blocks of one tensor (``MOEBLAZE_GLUON_GATHER=0``);
+for SwiGLU both launches are one there, dH' never stored (``MOEBLAZE_GLUON_DH_ACT=0`` keeps two).
 
 Each output element is written by exactly one program per window with a fixed reduction order, so there
 are no atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
@@ -744,6 +745,11 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 phases = [(_expert_dh_tuned, "dh", 0)]
             for tuned_kernel, kind, phase in phases:
                 if phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
+                    if gather_sm90.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
+                        # both phases in one launch: the same dA|dB and w*H, bitwise
+                        gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, pre, dpre,
+                                                part[bias_rows:], weights)
+                        break
                     gather_sm90.dh_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw)  # the same dH', bitwise
                     continue
                 autotune.launch(

@@ -8,10 +8,19 @@ tiles (the plan's 128-slot tiles):
   W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores A|B (when the policy keeps them) and ``H = silu(A) * B``
   computed from the rounded values;
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
-  rounded to x's dtype and stored.
+  rounded to x's dtype and stored;
+* the same GEMM with the SwiGLU backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``, where A|B
+  are kept): the rounded dH' stays in shared memory, and the next tile's K loop computes dA|dB, w*H and the
+  routing-weight partials from it block by block (32 rows x 64 columns) between issuing each step's MMA and waiting
+  for the previous one, so the tensor cores keep working; the last tile's blocks run after the loop. dH' never goes
+  to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 1.02 / 1.09, D 1.30 / 1.42, A 10.9 /
+  11.2.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
 contraction steps, the same activation arithmetic), so the results are bitwise equal; the cuda tests compare them.
+One exception: the fused dh sums each row's 64 products of <dH', H> in its own layout's order, which can round
+differently from the Triton epilogue's where h % 64 != 0 (that kernel then loads through wrapped columns, and Triton
+lays its tile out otherwise).
 
 One program per SM walks the output tiles in the Triton kernels' grouped order (``down_sm90._tile``):
 
@@ -28,9 +37,9 @@ One program per SM walks the output tiles in the Triton kernels' grouped order (
   a tile cut by the window, columns past h) through masked pointer stores. The up projection's H is computed from
   the rounded A|B read back from shared memory and written over A's half once A's store has read it.
 
-:func:`up_usable` and :func:`dh_usable` say when a launch qualifies; everything else takes the Triton kernels.
-Gluon has no interpreter, so the CPU tests cannot run these kernels. ``MOEBLAZE_GLUON_GATHER=0`` turns them off
-(read at every call).
+:func:`up_usable`, :func:`dh_usable` and :func:`dh_act_usable` say when a launch qualifies; everything else takes
+the Triton kernels. Gluon has no interpreter, so the CPU tests cannot run these kernels. ``MOEBLAZE_GLUON_GATHER=0``
+turns them off, ``MOEBLAZE_GLUON_DH_ACT=0`` only the fused dh (read at every call).
 """
 from __future__ import annotations
 
@@ -57,9 +66,10 @@ if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     )
 
 __all__ = ["ENV_VAR", "enabled", "GatherWeights", "up_weights", "dh_weights", "up_usable", "dh_usable", "up_sm90",
-           "dh_sm90", "launches"]
+           "dh_sm90", "launches", "ACT_ENV_VAR", "act_enabled", "act_launches", "dh_act_usable", "dh_act_sm90"]
 
 ENV_VAR = "MOEBLAZE_GLUON_GATHER"
+ACT_ENV_VAR = "MOEBLAZE_GLUON_DH_ACT"  # "0": dh's epilogue as its own Triton launch, as before the fused kernel
 BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
 UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
 DH_BLOCK_N = 256
@@ -69,6 +79,7 @@ A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
+_ACT_LAUNCHES = [0]
 
 
 if _GLUON:
@@ -149,22 +160,114 @@ if _GLUON:
             gl.store(c_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c + cols[None, :], v, mask=mask)
 
     @gluon.jit
+    def _dh_act_where(s, NR: gl.constexpr, RB: gl.constexpr, CW: gl.constexpr):
+        """Block ``s`` of a tile's epilogue: rows (s % NR) * RB .., columns (s // NR) * CW .. of the tile."""
+        return (s % NR) * RB, (s // NR) * CW
+
+    @gluon.jit
+    def _dh_act_weights(epi, start, r0, first, end, K: gl.constexpr, RB: gl.constexpr, wl: gl.constexpr):
+        """The routing weights (fp32) of rows [r0, r0 + RB) of the tile starting at slot ``start``, rows clamped into
+        [first, end), read through the token index."""
+        rows = gl.minimum(gl.maximum(start + r0 + gl.arange(0, RB, layout=wl), first), end - 1)
+        pair = gl.load(epi[4] + rows)
+        return gl.load(epi[3] + (pair // K).to(gl.int64) * epi[8] + (pair % K) * epi[9]).to(gl.float32)
+
+    @gluon.jit
+    def _dh_act_load(epi, s, start, first, end, n0, slot0, n_dim, NR: gl.constexpr, RB: gl.constexpr,
+                     st: gl.constexpr):
+        """A and B (the saved pre-activations, x's dtype) of block ``s`` of the tile starting at slot ``start``,
+        rows clamped into [first, end), 0 past ``n_dim``."""
+        CW: gl.constexpr = 64
+        r0, c0 = _dh_act_where(s, NR, RB, CW)
+        rows = gl.minimum(gl.maximum(start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st)), first), end - 1)
+        cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
+        ld_mask = (rows >= 0)[:, None] & (cols < n_dim)[None, :]
+        pre = epi[0] + (rows - slot0).to(gl.int64)[:, None] * epi[5] + cols[None, :]
+        return gl.load(pre, mask=ld_mask, other=0.0), gl.load(pre + n_dim, mask=ld_mask, other=0.0)
+
+    @gluon.jit
+    def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, a, b,
+                      NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
+        """SwiGLU's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
+        ``expert_bwd._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
+        below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``a``, ``b``:
+        the block's A and B (:func:`_dh_act_load`); ``w_blocks``: the tile's routing weights (fp32) by row block."""
+        dpre_ptr, part_ptr, stride_dpre, stride_part = epi[1], epi[2], epi[6], epi[7]
+        CW: gl.constexpr = 64
+        dtype: gl.constexpr = blocks.dtype
+        r0, c0 = _dh_act_where(s, NR, RB, CW)
+        rows = start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
+        cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
+        row_ok = (rows >= first) & (rows < end)
+        col_ok = cols < n_dim
+        wt = w_blocks.index(s % NR).load(gl.SliceLayout(1, st))
+        dh = blocks.index(s).load(st).to(gl.float32)
+        a = a.to(gl.float32)
+        b = b.to(gl.float32)
+        d_hid = dh * wt[:, None]
+        sig = 1 / (1 + gl.exp(-a))
+        silu = a * sig
+        hid = silu * b
+        d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
+        d_b = d_hid * silu
+        part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
+        mask = row_ok[:, None] & col_ok[None, :]
+        local = (rows - slot0).to(gl.int64)[:, None]
+        dpre = dpre_ptr + local * stride_dpre + cols[None, :]
+        gl.store(dpre, d_a.to(dtype), mask=mask)
+        gl.store(dpre + n_dim, d_b.to(dtype), mask=mask)
+        gl.store(hw_ptr + local * stride_hw + cols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
+        gl.store(part_ptr + ((n0 + c0) // CW) * stride_part + rows, part, mask=row_ok & (n0 + c0 < n_dim))
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr, c1_ptr,
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
-                  k_dim, n_dim, stride_c0, stride_c1, BNH: gl.constexpr, SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr, SB: gl.constexpr):
-        """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0."""
+                  k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
+                  SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr):
+        """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
+        ACT_EPI (dh) SwiGLU's backward on it.
+
+        ACT_EPI: a tile's rounded dH' stays in ``c_smem`` and its routing weights in ``w_smem`` while the next tile's
+        K loop runs, which computes the epilogue block by block (:func:`_dh_act_block`: dA|dB and w*H into c0's
+        buffers, the partials; ``epi`` holds their pointers and strides) between issuing each step's MMA and waiting
+        for it, so the tensor cores work beside it. Each block's A|B is loaded a block ahead; the last tile's blocks
+        run after the loop."""
         BN: gl.constexpr = c_smem.shape[1]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         dtype: gl.constexpr = c_smem.dtype
         tile0 = gl.load(tile0_ptr)
         n_k = k_dim // BK
         g = 0  # steps consumed so far, over all of this program's tiles
+        # ACT_EPI: the epilogue's blocks of RB x 64, 8 elements (16 bytes) a thread
+        RB: gl.constexpr = 32
+        NR: gl.constexpr = BM // RB
+        NB: gl.constexpr = NR * (BN // 64)
+        ep: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        wl: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])  # [RB]: routing weights
+        # c_smem [BM, BN] with 128-byte swizzling is BN / 64 column blocks of [BM, 64], one after the other, each
+        # 8-row group swizzled alike: as [NB, RB, 64], block s (rows (s % NR) * RB .. of column block s // NR) can
+        # be indexed at run time
+        blocks = c_smem._reinterpret(dtype, [NB, RB, 64], gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                                                element_bitwidth=16))
+        done = gl.to_tensor(NB)  # blocks of the pending tile done (NB: nothing pending)
+        p_start = gl.to_tensor(0)  # the pending tile's start, first, end, first column
+        p_first = gl.to_tensor(0)
+        p_end = gl.to_tensor(1)
+        p_n0 = gl.to_tensor(0)
+        a_nxt = gl.zeros([RB, 64], dtype, layout=ep)  # the next block's A and B
+        b_nxt = gl.zeros([RB, 64], dtype, layout=ep)
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                if ACT_EPI:  # this tile's routing weights, loaded while its K loop runs
+                    gl.static_assert(NR == 4)
+                    w0 = _dh_act_weights(epi, start, 0, first, end, K, RB, wl)
+                    w1 = _dh_act_weights(epi, start, RB, first, end, K, RB, wl)
+                    w2 = _dh_act_weights(epi, start, 2 * RB, first, end, K, RB, wl)
+                    w3 = _dh_act_weights(epi, start, 3 * RB, first, end, K, RB, wl)
                 acc = gl.zeros([BM, BN], gl.float32, layout=mma)
                 for k in range(n_k):
                     sa = g % SA
@@ -180,14 +283,32 @@ if _GLUON:
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                     dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                     g += 1
+                    if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
+                        while done < ((k + 1) * NB) // n_k:
+                            a_cur, b_cur = a_nxt, b_nxt
+                            a_nxt, b_nxt = _dh_act_load(epi, gl.minimum(done + 1, NB - 1), p_start, p_first, p_end,
+                                                        p_n0, slot0, n_dim, NR, RB, ep)
+                            _dh_act_block(blocks, w_smem, epi, c0_ptr, stride_c0, done, p_start, p_first, p_end, p_n0,
+                                          slot0, n_dim, a_cur, b_cur, NR, RB, ep)
+                            done += 1
+                n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
-                n0 = pid_n * BNH
                 row = start - slot0
                 full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
-                tma.store_wait(0)  # the previous tile's stores have read c_smem
-                c_smem.store(acc.to(dtype))
-                fence_async_shared()
+                if ACT_EPI:  # this tile's epilogue is pending: it runs during the next tile's K loop
+                    c_smem.store(acc.to(dtype))
+                    w_smem.index(0).store(w0)
+                    w_smem.index(1).store(w1)
+                    w_smem.index(2).store(w2)
+                    w_smem.index(3).store(w3)
+                    p_start, p_first, p_end, p_n0 = start, first, end, n0
+                    done = gl.to_tensor(0)
+                    a_nxt, b_nxt = _dh_act_load(epi, 0, start, first, end, n0, slot0, n_dim, NR, RB, ep)
+                else:
+                    tma.store_wait(0)  # the previous tile's stores have read c_smem
+                    c_smem.store(acc.to(dtype))
+                    fence_async_shared()
                 if SWIGLU:  # columns [0, BNH) hold A, [BNH, 2 BNH) hold B
                     a_smem = c_smem.slice(0, BNH, dim=1)
                     b_smem = c_smem.slice(BNH, BNH, dim=1)
@@ -203,8 +324,16 @@ if _GLUON:
                     a_smem.store(hid)
                     fence_async_shared()
                     _store(a_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
-                else:
+                elif not ACT_EPI:
                     _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
+        if ACT_EPI:  # the last tile's epilogue
+            while done < NB:
+                a_cur, b_cur = a_nxt, b_nxt
+                a_nxt, b_nxt = _dh_act_load(epi, gl.minimum(done + 1, NB - 1), p_start, p_first, p_end, p_n0, slot0,
+                                            n_dim, NR, RB, ep)
+                _dh_act_block(blocks, w_smem, epi, c0_ptr, stride_c0, done, p_start, p_first, p_end, p_n0, slot0,
+                              n_dim, a_cur, b_cur, NR, RB, ep)
+                done += 1
         tma.store_wait(0)
 
     @gluon.jit
@@ -217,8 +346,10 @@ if _GLUON:
         num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim,
         K: gl.constexpr,  # a compile-time constant, as in dw_sm90 (a runtime division costs dozens of instructions)
         stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
+        pre_ptr, dpre_ptr, part_ptr, weights_ptr,  # ACT_EPI: A|B, dA|dB [.., 2n], partials, routing weights
+        stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k,
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
     ):
         """The body of both kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -245,39 +376,63 @@ if _GLUON:
         k_dim, n_dim, stride_a = gl.to_tensor(k_dim), gl.to_tensor(n_dim), gl.to_tensor(stride_a)
         e_rows0, e_rows1 = gl.to_tensor(e_rows0), gl.to_tensor(e_rows1)
         stride_c0, stride_c1 = gl.to_tensor(stride_c0), gl.to_tensor(stride_c1)
+        # ACT_EPI: the pending tile's routing weights, [row blocks of 32, 32] (else one unused row)
+        w_smem = gl.allocate_shared_memory(gl.float32, [BM // 32 if ACT_EPI else 1, 32],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        epi = (pre_ptr, dpre_ptr, part_ptr, weights_ptr, token_index_ptr, gl.to_tensor(stride_pre),
+               gl.to_tensor(stride_dpre), gl.to_tensor(stride_part), gl.to_tensor(stride_wt_t),
+               gl.to_tensor(stride_wt_k))
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
-                         slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, BNH, SWIGLU, SAVE_AB, B_KMAJOR, GROUP_M,
-                         A_STAGES, B_STAGES)),
+                         slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, BNH, SWIGLU, SAVE_AB, B_KMAJOR,
+                         GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
                          B_STAGES)),
         ], [4], [PRODUCER_REGS])
 
-    # Two names for one kernel, so that profiles tell the up projection from dh's GEMM.
+    # Three names for one kernel, so that profiles tell the up projection, dh's GEMM and the fused dh apart.
     @gluon.jit
     def _up_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
-                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                        pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
+                        stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
-                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, True, SAVE_AB, B_KMAJOR, GROUP_M,
-                     A_STAGES, B_STAGES, PRODUCER_REGS)
+                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
+                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, True, SAVE_AB,
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
-                        SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                        pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
+                        stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
-                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, False, SAVE_AB, B_KMAJOR, GROUP_M,
-                     A_STAGES, B_STAGES, PRODUCER_REGS)
+                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
+                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False)
+
+    @gluon.jit
+    def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
+                            tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
+                            k_dim, n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
+                            pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part,
+                            stride_wt_t, stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
+                            GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
+                            PRODUCER_REGS: gl.constexpr):
+        _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
+                     tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
+                     n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
+                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True)
 
 
 def enabled() -> bool:
@@ -352,23 +507,32 @@ def dh_usable(dy: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
 
 
 def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: torch.Tensor | None, plan, K: int,
-            k_dim: int, n_dim: int, window, block_n: int) -> None:
-    """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None."""
+            k_dim: int, n_dim: int, window, block_n: int, epi: tuple | None = None) -> None:
+    """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None;
+    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`)."""
     block = [BLOCK_M, block_n]
     c0_desc = GluonDescriptor.from_tensor(c0, block, down_sm90._layout(block, c0.dtype))
     c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
     c1_desc = GluonDescriptor.from_tensor(c1, block, down_sm90._layout(block, c1.dtype)) if c1 is not c0 else c0_desc
+    if epi is None:  # placeholders, never read
+        pre, dpre, part, weights = c0, c0, c0, c0
+        epi_strides = (0, 0, 0, 0, 0)
+    else:
+        pre, dpre, part, weights = epi
+        epi_strides = (pre.stride(0), dpre.stride(0), part.stride(0), weights.stride(0), weights.stride(1))
     num_n = -(-n_dim // block_n)
     grid = (min(down_sm90._sm_count(a.device), window.num_tiles * num_n),)
     kernel[grid](
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
-        a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0),
+        a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
         SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M, A_STAGES=A_STAGES,
         B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS,
         num_warps=8,
     )
     _LAUNCHES[0] += 1
+    if epi is not None:
+        _ACT_LAUNCHES[0] += 1
 
 
 def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hid: torch.Tensor,
@@ -382,3 +546,30 @@ def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, win
 def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, out: torch.Tensor) -> None:
     """dh's GEMM of one window through this kernel (:func:`dh_usable` true): dH' into ``out`` ``[.., h]``."""
     _launch(_dh_sm90_kernel, dy, w, out, None, plan, K, d, h, window, DH_BLOCK_N)
+
+
+def act_enabled() -> bool:
+    """``MOEBLAZE_GLUON_DH_ACT`` is not "0" (read at every call)."""
+    return os.environ.get(ACT_ENV_VAR, "1") != "0"
+
+
+def act_launches() -> int:
+    """How many times this process has launched the fused dh kernel (for tests)."""
+    return _ACT_LAUNCHES[0]
+
+
+def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, weights: torch.Tensor,
+                  act_name: str, chunk: int, block_m: int) -> bool:
+    """Whether the fused dh may take a window: :func:`dh_usable`, SwiGLU, the partials in chunks of 64 columns,
+    and the saved A|B and dA|dB of dy's dtype with unit column strides and 16-byte aligned rows."""
+    return (act_enabled() and act_name == "swiglu" and chunk == 64 and weights.is_floating_point()
+            and _gather_ok(dy, [hw, pre, dpre], block_m))
+
+
+def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hw: torch.Tensor,
+                pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor) -> None:
+    """dh's GEMM and its SwiGLU epilogue in one launch (:func:`dh_act_usable` true), the results of the split's two
+    launches (``expert_bwd._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
+    ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N + 1]``, by
+    slot); ``pre`` is the saved A|B from the window's first slot."""
+    _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, (pre, dpre, part, weights))

@@ -120,6 +120,26 @@ def test_gather_usable_needs_swiglu_unbiased_and_aligned_rows():
     assert not gather_sm90.dh_usable(x, hid.t(), 128)  # no unit column stride
 
 
+def test_fused_dh_usable_needs_swiglu_chunks_of_64_and_aligned_rows(monkeypatch):
+    dy = torch.empty(300, 256, dtype=torch.bfloat16)
+    hw = torch.empty(400, 192, dtype=torch.bfloat16)
+    pre = torch.empty(400, 384, dtype=torch.bfloat16)
+    dpre = torch.empty(400, 384, dtype=torch.bfloat16)
+    wts = torch.empty(200, 2)
+    usable = gather_sm90.dh_act_usable
+    assert usable(dy, hw, pre, dpre, wts, "swiglu", 64, 128)
+    assert usable(dy, hw, pre, dpre, wts.bfloat16(), "swiglu", 64, 128)  # routing weights of any float dtype
+    assert not usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)  # only SwiGLU's backward
+    assert not usable(dy, hw, pre, dpre, wts, "swiglu", 32, 128)  # partials in other chunks
+    assert not usable(dy, hw, pre, dpre, wts, "swiglu", 64, 64)  # plan tiles of another height
+    assert not usable(dy, hw, pre[1:, 1:], dpre, wts, "swiglu", 64, 128)  # misaligned A|B
+    assert not usable(dy, hw, pre, dpre.half(), wts, "swiglu", 64, 128)  # dA|dB of another dtype
+    assert not usable(dy, hw, pre, dpre.t(), wts, "swiglu", 64, 128)  # no unit column stride
+    assert not usable(dy, hw, pre, dpre, wts.long(), "swiglu", 64, 128)
+    monkeypatch.setenv(gather_sm90.ACT_ENV_VAR, "0")
+    assert not usable(dy, hw, pre, dpre, wts, "swiglu", 64, 128)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +177,7 @@ def _switch(monkeypatch, on: bool) -> None:
     for mod in (down_sm90, dw_sm90, gather_sm90):
         monkeypatch.setenv(mod.ENV_VAR, "1" if on else "0")
     monkeypatch.delenv(dw_sm90.STORE_TMA_ENV_VAR, raising=False)
+    monkeypatch.delenv(gather_sm90.ACT_ENV_VAR, raising=False)
 
 
 def _poison() -> None:
@@ -180,18 +201,25 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
                      ids_mode=ids_mode, seed=T + 5)
     _switch(monkeypatch, True)
     _poison()
-    before, stores = _launches(), dw_sm90.store_launches()
+    before, stores, fused = _launches(), dw_sm90.store_launches(), gather_sm90.act_launches()
     y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
     gathers = gather[0] + (gather[1] if policy == "activations" else 0)
     assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
     assert dw_sm90.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
+    # dh's GEMM and its epilogue in one launch wherever the GEMM took the Gluon kernel (SwiGLU, A|B kept)
+    assert gather_sm90.act_launches() - fused == (gather[1] if policy == "activations" else 0)
     _switch(monkeypatch, False)
     before = _launches()
     y2, o2 = run_kernels(case, policy, window_slots=window_slots)
     assert _launches() == before
     assert torch.equal(y1, y2), "forward differs from the Triton kernels'"
     assert torch.equal(o1["x"], o2["x"]), "dx differs from the Triton kernels'"
-    assert torch.equal(o1["weights"], o2["weights"])
+    if policy == "activations" and h % 64:
+        # the fused dh sums <dH', H> over 64 columns in its own order, which the Triton epilogue lays out otherwise
+        # where h % 64 != 0: a last-bit difference in a few routing-weight gradients
+        torch.testing.assert_close(o1["weights"], o2["weights"], rtol=1e-2, atol=1e-5)
+    else:
+        assert torch.equal(o1["weights"], o2["weights"])
     assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), "weight gradients differ"
 
 
@@ -242,6 +270,41 @@ def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_
         assert all(torch.isfinite(g).all() for g in o["storage"]), "an unwritten weight gradient element"
         out.append(o["storage"])
     assert all(torch.equal(a, b) for a, b in zip(*out)), "TMA and pointer stores differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,window_slots", [
+    (1000, 320, 200, 8, 4, "empty_expert", "dense", torch.bfloat16, 0),  # columns past h in the last column tile
+    (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, 500),  # tiles cut by windows
+    (700, 512, 256, 4, 2, "one_expert", "hf_fused", torch.float16, 0),
+    (500, 256, 320, 6, 3, "sentinel", "transposed", torch.bfloat16, 0),  # K = 3, unrouted pairs, W_down k-major
+], ids=["h200", "windows", "fp16", "K3-sentinel"])
+def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype, window_slots):
+    # MOEBLAZE_GLUON_DH_ACT=0 keeps dh as two launches (the Gluon GEMM, then the Triton epilogue); the fused kernel
+    # gives the same dA|dB and w*H bit for bit, so the same dx and weight gradients. The routing-weight gradient
+    # sums the same 64-column partials (each in an order that may differ where h % 64 != 0; not with these seeds).
+    # Tiles cut by windows, several tiles a program (each tile's epilogue runs in the next one's K loop) and the
+    # last tile's (after the loop) are all here.
+    _need_sm90()
+    case = make_case(T, d, h, E, K, act="swiglu", layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
+                     seed=T + 11)
+    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    out = []
+    for fused in ("1", "0"):
+        _switch(monkeypatch, True)
+        monkeypatch.setenv(gather_sm90.ACT_ENV_VAR, fused)
+        _poison()
+        launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
+        y, o = run_kernels(case, "activations", window_slots=window_slots)
+        assert gather_sm90.launches() - launches == 2 * windows  # up and dh's GEMM (alone or fused) per window
+        assert gather_sm90.act_launches() - acts == (windows if fused == "1" else 0)
+        out.append((y, o))
+    (y1, o1), (y2, o2) = out
+    assert torch.equal(y1, y2)
+    assert torch.equal(o1["x"], o2["x"]), "dx differs from the split dh's"
+    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), "weight gradients differ"
+    assert torch.equal(o1["weights"], o2["weights"]), "routing-weight gradients differ"
+    assert torch.isfinite(o1["weights"]).all()
 
 
 @pytest.mark.cuda
