@@ -146,7 +146,7 @@ def _dh_epilogue(
     # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0. Stored by slot (the tile's
     # rows, one contiguous run): by pair they were scattered 4-byte stores, 5-10 % of the split's second launch
     # (H100, benchmarks/RESULTS.md, thirteenth session).
-    part_ptrs = part_ptr + (col0 // CHUNK_N) * stride_part_c + (start + local).to(tl.int64)
+    part_ptrs = part_ptr + (col0 // CHUNK_N).to(tl.int64) * stride_part_c + (start + local).to(tl.int64)
     tl.store(part_ptrs, part, mask=row_mask)
     for j in tl.static_range(1, BLOCK_N // CHUNK_N):
         tl.store(part_ptrs + j * stride_part_c, tl.zeros_like(part), mask=row_mask)

@@ -217,7 +217,8 @@ if _GLUON:
         gl.store(dpre, d_a.to(dtype), mask=mask)
         gl.store(dpre + n_dim, d_b.to(dtype), mask=mask)
         gl.store(hw_ptr + local * stride_hw + cols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
-        gl.store(part_ptr + ((n0 + c0) // CW) * stride_part + rows, part, mask=row_ok & (n0 + c0 < n_dim))
+        gl.store(part_ptr + ((n0 + c0) // CW).to(gl.int64) * stride_part + rows, part,
+                 mask=row_ok & (n0 + c0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr, c1_ptr,
