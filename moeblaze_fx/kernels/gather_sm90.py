@@ -173,25 +173,31 @@ if _GLUON:
         return gl.load(epi[3] + (pair // K).to(gl.int64) * epi[8] + (pair % K) * epi[9]).to(gl.float32)
 
     @gluon.jit
-    def _dh_act_load(epi, s, start, first, end, n0, slot0, n_dim, NR: gl.constexpr, RB: gl.constexpr,
-                     st: gl.constexpr):
-        """A and B (the saved pre-activations, x's dtype) of block ``s`` of the tile starting at slot ``start``,
-        rows clamped into [first, end), 0 past ``n_dim``."""
+    def _dh_act_stage(ab_smem, p, epi, s, start, first, end, n0, slot0, n_dim, NR: gl.constexpr, RB: gl.constexpr,
+                      st: gl.constexpr):
+        """Copies A and B (the saved pre-activations) of block ``s`` of the tile starting at slot ``start`` into
+        buffers 2p and 2p + 1 of ``ab_smem`` ([4, RB, 64]) with cp.async, one commit group; rows clamped into [first, end), 0 past
+        ``n_dim``. In shared memory, nothing waits for the copy until the block's turn (loaded into registers, the
+        values were repacked into the loop's registers at once, which waited for them)."""
         CW: gl.constexpr = 64
         r0, c0 = _dh_act_where(s, NR, RB, CW)
         rows = gl.minimum(gl.maximum(start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st)), first), end - 1)
         cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
         ld_mask = (rows >= 0)[:, None] & (cols < n_dim)[None, :]
         pre = epi[0] + (rows - slot0).to(gl.int64)[:, None] * epi[5] + cols[None, :]
-        return gl.load(pre, mask=ld_mask, other=0.0), gl.load(pre + n_dim, mask=ld_mask, other=0.0)
+        cp.async_copy_global_to_shared(ab_smem.index(2 * p), pre, mask=ld_mask)
+        cp.async_copy_global_to_shared(ab_smem.index(2 * p + 1), pre + n_dim, mask=ld_mask)
+        cp.commit_group()
 
     @gluon.jit
-    def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, a, b,
+    def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, ab_smem, p,
                       NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
         """SwiGLU's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
         ``expert_bwd._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
         below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``a``, ``b``:
-        the block's A and B (:func:`_dh_act_load`); ``w_blocks``: the tile's routing weights (fp32) by row block."""
+        ``ab_smem`` buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (copies masked off past ``n_dim`` leave
+        stale values there, never stored: the columns are masked); ``w_blocks``: the tile's routing weights (fp32) by
+        row block."""
         dpre_ptr, part_ptr, stride_dpre, stride_part = epi[1], epi[2], epi[6], epi[7]
         CW: gl.constexpr = 64
         dtype: gl.constexpr = blocks.dtype
@@ -202,8 +208,8 @@ if _GLUON:
         col_ok = cols < n_dim
         wt = w_blocks.index(s % NR).load(gl.SliceLayout(1, st))
         dh = blocks.index(s).load(st).to(gl.float32)
-        a = a.to(gl.float32)
-        b = b.to(gl.float32)
+        a = ab_smem.index(2 * p).load(st).to(gl.float32)
+        b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
         d_hid = dh * wt[:, None]
         sig = 1 / (1 + gl.exp(-a))
         silu = a * sig
@@ -223,7 +229,8 @@ if _GLUON:
     @gluon.jit
     def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr, c1_ptr,
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
-                  k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
+                  k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr,
+                  SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
                   SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
@@ -256,8 +263,7 @@ if _GLUON:
         p_first = gl.to_tensor(0)
         p_end = gl.to_tensor(1)
         p_n0 = gl.to_tensor(0)
-        a_nxt = gl.zeros([RB, 64], dtype, layout=ep)  # the next block's A and B
-        b_nxt = gl.zeros([RB, 64], dtype, layout=ep)
+
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
@@ -286,11 +292,12 @@ if _GLUON:
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         while done < ((k + 1) * NB) // n_k:
-                            a_cur, b_cur = a_nxt, b_nxt
-                            a_nxt, b_nxt = _dh_act_load(epi, gl.minimum(done + 1, NB - 1), p_start, p_first, p_end,
-                                                        p_n0, slot0, n_dim, NR, RB, ep)
+                            cp.wait_group(0)  # this block's A|B, copied a block ago
                             _dh_act_block(blocks, w_smem, epi, c0_ptr, stride_c0, done, p_start, p_first, p_end, p_n0,
-                                          slot0, n_dim, a_cur, b_cur, NR, RB, ep)
+                                          slot0, n_dim, ab_smem, done % 2, NR, RB, ep)
+                            if done + 1 < NB:  # (no copy past the last block: it would land on the next tile's)
+                                _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, p_start, p_first, p_end, p_n0,
+                                              slot0, n_dim, NR, RB, ep)
                             done += 1
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -305,7 +312,7 @@ if _GLUON:
                     w_smem.index(3).store(w3)
                     p_start, p_first, p_end, p_n0 = start, first, end, n0
                     done = gl.to_tensor(0)
-                    a_nxt, b_nxt = _dh_act_load(epi, 0, start, first, end, n0, slot0, n_dim, NR, RB, ep)
+                    _dh_act_stage(ab_smem, 0, epi, 0, start, first, end, n0, slot0, n_dim, NR, RB, ep)
                 else:
                     tma.store_wait(0)  # the previous tile's stores have read c_smem
                     c_smem.store(acc.to(dtype))
@@ -329,12 +336,14 @@ if _GLUON:
                     _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
         if ACT_EPI:  # the last tile's epilogue
             while done < NB:
-                a_cur, b_cur = a_nxt, b_nxt
-                a_nxt, b_nxt = _dh_act_load(epi, gl.minimum(done + 1, NB - 1), p_start, p_first, p_end, p_n0, slot0,
-                                            n_dim, NR, RB, ep)
+                cp.wait_group(0)
                 _dh_act_block(blocks, w_smem, epi, c0_ptr, stride_c0, done, p_start, p_first, p_end, p_n0, slot0,
-                              n_dim, a_cur, b_cur, NR, RB, ep)
+                              n_dim, ab_smem, done % 2, NR, RB, ep)
+                if done + 1 < NB:
+                    _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, p_start, p_first, p_end, p_n0, slot0, n_dim,
+                                  NR, RB, ep)
                 done += 1
+            cp.wait_group(0)
         tma.store_wait(0)
 
     @gluon.jit
@@ -380,13 +389,17 @@ if _GLUON:
         # ACT_EPI: the pending tile's routing weights, [row blocks of 32, 32] (else one unused row)
         w_smem = gl.allocate_shared_memory(gl.float32, [BM // 32 if ACT_EPI else 1, 32],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # ACT_EPI: two blocks' A|B ([2 blocks x 2, 32, 64], 16 KB: the launch takes one gathered-row stage less)
+        ab_smem = gl.allocate_shared_memory(dtype, [4 if ACT_EPI else 1, 32 if ACT_EPI else 8, 64],
+                                            gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
         epi = (pre_ptr, dpre_ptr, part_ptr, weights_ptr, token_index_ptr, gl.to_tensor(stride_pre),
                gl.to_tensor(stride_dpre), gl.to_tensor(stride_part), gl.to_tensor(stride_wt_t),
                gl.to_tensor(stride_wt_k))
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
-                         slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, BNH, SWIGLU, SAVE_AB, B_KMAJOR,
+                         slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
+                         B_KMAJOR,
                          GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
@@ -527,7 +540,8 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
-        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M, A_STAGES=A_STAGES,
+        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
+        A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
         B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS,
         num_warps=8,
     )
@@ -562,9 +576,11 @@ def act_launches() -> int:
 def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, weights: torch.Tensor,
                   act_name: str, chunk: int, block_m: int) -> bool:
     """Whether the fused dh may take a window: :func:`dh_usable`, SwiGLU, the partials in chunks of 64 columns,
-    and the saved A|B and dA|dB of dy's dtype with unit column strides and 16-byte aligned rows."""
+    h % 16 == 0 (B's half of the saved A|B then starts 16-byte aligned, which its 16-byte cp.async copies need the
+    compiler to know), and the saved A|B and dA|dB of dy's dtype with unit column strides and 16-byte aligned
+    rows."""
     return (act_enabled() and act_name == "swiglu" and chunk == 64 and weights.is_floating_point()
-            and _gather_ok(dy, [hw, pre, dpre], block_m))
+            and hw.shape[1] % 16 == 0 and _gather_ok(dy, [hw, pre, dpre], block_m))
 
 
 def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hw: torch.Tensor,
