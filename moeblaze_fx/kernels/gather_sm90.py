@@ -10,11 +10,12 @@ tiles (the plan's 128-slot tiles):
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
 * the same GEMM with the SwiGLU backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``, where A|B
-  are kept): the rounded dH' stays in shared memory, and the next tile's K loop computes dA|dB, w*H and the
-  routing-weight partials from it block by block (32 rows x 64 columns) between issuing each step's MMA and waiting
-  for the previous one, so the tensor cores keep working; the last tile's blocks run after the loop. dH' never goes
-  to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 1.02 / 1.09, D 1.30 / 1.42, A 10.9 /
-  11.2.
+  are kept and h % 16 == 0): the rounded dH' stays in shared memory, and the next tile's K loop computes dA|dB, w*H
+  and the routing-weight partials from it block by block (32 rows x 64 columns, one block per n_k / 16 steps) after
+  each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop. Each block's
+  A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage less for it).
+  dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91 / 1.09, D 1.18
+  / 1.43, A 9.4 / 11.2.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
 contraction steps, the same activation arithmetic), so the results are bitwise equal; the cuda tests compare them.
@@ -75,7 +76,7 @@ UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 12
 DH_BLOCK_N = 256
 # x's 16 KB and the weights' 32 KB stages: with the 64 KB output tile, 224 KB of shared memory. The fourth x stage
 # made up and dh's GEMM 2-4 % faster at C and D, and no faster at A (H100; benchmarks/RESULTS.md, fifteenth session).
-A_STAGES, B_STAGES = 4, 3
+A_STAGES, B_STAGES = 4, 3  # (the fused dh: 3 and 3, its A|B blocks in the fourth A stage's 16 KB)
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
@@ -237,10 +238,10 @@ if _GLUON:
         ACT_EPI (dh) SwiGLU's backward on it.
 
         ACT_EPI: a tile's rounded dH' stays in ``c_smem`` and its routing weights in ``w_smem`` while the next tile's
-        K loop runs, which computes the epilogue block by block (:func:`_dh_act_block`: dA|dB and w*H into c0's
-        buffers, the partials; ``epi`` holds their pointers and strides) between issuing each step's MMA and waiting
-        for it, so the tensor cores work beside it. Each block's A|B is loaded a block ahead; the last tile's blocks
-        run after the loop."""
+        K loop runs. That loop computes the epilogue block by block (:func:`_dh_act_block`: dA|dB and w*H into c0's
+        buffers, the partials; ``epi`` holds their pointers and strides), each after a step's wait for the previous
+        step's MMA, while that step's own MMA runs. Each block's A|B is copied into ``ab_smem`` a block ahead
+        (cp.async). The last tile's blocks run after the loop."""
         BN: gl.constexpr = c_smem.shape[1]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         dtype: gl.constexpr = c_smem.dtype
