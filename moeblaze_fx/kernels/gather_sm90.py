@@ -177,9 +177,9 @@ if _GLUON:
     def _dh_act_stage(ab_smem, p, epi, s, start, first, end, n0, slot0, n_dim, NR: gl.constexpr, RB: gl.constexpr,
                       st: gl.constexpr):
         """Copies A and B (the saved pre-activations) of block ``s`` of the tile starting at slot ``start`` into
-        buffers 2p and 2p + 1 of ``ab_smem`` ([4, RB, 64]) with cp.async, one commit group; rows clamped into [first, end), 0 past
-        ``n_dim``. In shared memory, nothing waits for the copy until the block's turn (loaded into registers, the
-        values were repacked into the loop's registers at once, which waited for them)."""
+        buffers 2p and 2p + 1 of ``ab_smem`` ([4, RB, 64]) with cp.async, one commit group; rows clamped into
+        [first, end), 0 past ``n_dim``. In shared memory, nothing waits for the copy until the block's turn (loaded
+        into registers, the values were repacked into the loop's registers at once, which waited for them)."""
         CW: gl.constexpr = 64
         r0, c0 = _dh_act_where(s, NR, RB, CW)
         rows = gl.minimum(gl.maximum(start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st)), first), end - 1)
@@ -195,10 +195,9 @@ if _GLUON:
                       NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
         """SwiGLU's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
         ``expert_bwd._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
-        below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``a``, ``b``:
-        ``ab_smem`` buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (copies masked off past ``n_dim`` leave
-        stale values there, never stored: the columns are masked); ``w_blocks``: the tile's routing weights (fp32) by
-        row block."""
+        below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``ab_smem``
+        buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (zeros past ``n_dim``, whose columns
+        are masked anyway); ``w_blocks``: the tile's routing weights (fp32) by row block."""
         dpre_ptr, part_ptr, stride_dpre, stride_part = epi[1], epi[2], epi[6], epi[7]
         CW: gl.constexpr = 64
         dtype: gl.constexpr = blocks.dtype
@@ -228,10 +227,25 @@ if _GLUON:
                  mask=row_ok & (n0 + c0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
 
     @gluon.jit
+    def _dh_act_run(blocks, w_smem, ab_smem, epi, hw_ptr, stride_hw, done, target, start, first, end, n0, slot0,
+                    n_dim, NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
+        """Runs the pending tile's epilogue blocks from ``done`` up to ``target`` (:func:`_dh_act_block`), each once
+        its A|B copy has landed, staging the next block's (none past the last: that copy would land on the buffer
+        the next tile's first block uses); returns the blocks done."""
+        NB: gl.constexpr = blocks.shape[0]
+        while done < target:
+            cp.wait_group(0)  # this block's A|B, copied a block ago
+            _dh_act_block(blocks, w_smem, epi, hw_ptr, stride_hw, done, start, first, end, n0, slot0, n_dim, ab_smem,
+                          done % 2, NR, RB, st)
+            if done + 1 < NB:
+                _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, start, first, end, n0, slot0, n_dim, NR, RB, st)
+            done += 1
+        return done
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr, c1_ptr,
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
-                  k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr,
-                  SWIGLU: gl.constexpr,
+                  k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
                   SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
@@ -292,14 +306,8 @@ if _GLUON:
                     dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
-                        while done < ((k + 1) * NB) // n_k:
-                            cp.wait_group(0)  # this block's A|B, copied a block ago
-                            _dh_act_block(blocks, w_smem, epi, c0_ptr, stride_c0, done, p_start, p_first, p_end, p_n0,
-                                          slot0, n_dim, ab_smem, done % 2, NR, RB, ep)
-                            if done + 1 < NB:  # (no copy past the last block: it would land on the next tile's)
-                                _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, p_start, p_first, p_end, p_n0,
-                                              slot0, n_dim, NR, RB, ep)
-                            done += 1
+                        done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
+                                           p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep)
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
@@ -336,14 +344,8 @@ if _GLUON:
                 elif not ACT_EPI:
                     _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
         if ACT_EPI:  # the last tile's epilogue
-            while done < NB:
-                cp.wait_group(0)
-                _dh_act_block(blocks, w_smem, epi, c0_ptr, stride_c0, done, p_start, p_first, p_end, p_n0, slot0,
-                              n_dim, ab_smem, done % 2, NR, RB, ep)
-                if done + 1 < NB:
-                    _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, p_start, p_first, p_end, p_n0, slot0, n_dim,
-                                  NR, RB, ep)
-                done += 1
+            done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, NB, p_start, p_first, p_end,
+                               p_n0, slot0, n_dim, NR, RB, ep)
             cp.wait_group(0)
         tma.store_wait(0)
 
@@ -362,7 +364,7 @@ if _GLUON:
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
     ):
-        """The body of both kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
+        """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
         BNH: gl.constexpr = c0_desc.block_type.shape[1]  # columns of h a tile covers
         if SWIGLU:  # A's and B's side by side
@@ -400,8 +402,7 @@ if _GLUON:
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR,
-                         GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
