@@ -183,6 +183,15 @@ def _switch(monkeypatch, on: bool) -> None:
     monkeypatch.delenv(gather_sm90.ACT_ENV_VAR, raising=False)
 
 
+def _run_with(monkeypatch, var: str, value: str, case, window_slots: int):
+    """Forward and backward ("activations") with every Gluon kernel on and ``var`` set to ``value``, the allocator's
+    free memory poisoned first: (y, grads) as :func:`run_kernels`."""
+    _switch(monkeypatch, True)
+    monkeypatch.setenv(var, value)
+    _poison()
+    return run_kernels(case, "activations", window_slots=window_slots)
+
+
 def _poison() -> None:
     """Fill the caching allocator's free memory with NaN, so that a kernel reading rows nothing wrote (the unrouted
     slots past the last expert's) shows in the results."""
@@ -204,20 +213,21 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
                      ids_mode=ids_mode, seed=T + 5)
     _switch(monkeypatch, True)
     _poison()
-    before, stores, fused = _launches(), dw_sm90.store_launches(), gather_sm90.act_launches()
+    before, stores, acts = _launches(), dw_sm90.store_launches(), gather_sm90.act_launches()
     y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
     gathers = gather[0] + (gather[1] if policy == "activations" else 0)
     assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
     assert dw_sm90.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
     # dh's GEMM and its epilogue in one launch wherever the GEMM took the Gluon kernel (SwiGLU, A|B kept, h % 16 == 0)
-    assert gather_sm90.act_launches() - fused == (gather[1] if policy == "activations" and h % 16 == 0 else 0)
+    fused = policy == "activations" and h % 16 == 0
+    assert gather_sm90.act_launches() - acts == (gather[1] if fused else 0)
     _switch(monkeypatch, False)
     before = _launches()
     y2, o2 = run_kernels(case, policy, window_slots=window_slots)
     assert _launches() == before
     assert torch.equal(y1, y2), "forward differs from the Triton kernels'"
     assert torch.equal(o1["x"], o2["x"]), "dx differs from the Triton kernels'"
-    if policy == "activations" and h % 64:
+    if fused and h % 64:
         # the fused dh sums <dH', H> over 64 columns in its own order, which the Triton epilogue lays out otherwise
         # where h % 64 != 0: a last-bit difference in a few routing-weight gradients
         torch.testing.assert_close(o1["weights"], o2["weights"], rtol=1e-2, atol=1e-5)
@@ -261,11 +271,8 @@ def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_
     windows = expert_fwd.num_slot_windows(1800, window_slots)
     out = []
     for store_tma in ("1", "0"):
-        _switch(monkeypatch, True)
-        monkeypatch.setenv(dw_sm90.STORE_TMA_ENV_VAR, store_tma)
-        _poison()
         launches, stores = dw_sm90.launches(), dw_sm90.store_launches()
-        y, o = run_kernels(case, "activations", window_slots=window_slots)
+        y, o = _run_with(monkeypatch, dw_sm90.STORE_TMA_ENV_VAR, store_tma, case, window_slots)
         per_window = 2 if layout == "hf_fused" else 3  # dW_gate and dW_up as one launch for hf_fused
         assert dw_sm90.launches() - launches == per_window * windows
         expected = per_window * windows if store_tma == "1" and layout != "list" else 0
@@ -294,11 +301,8 @@ def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, id
     windows = expert_fwd.num_slot_windows(T * K, window_slots)
     out = []
     for fused in ("1", "0"):
-        _switch(monkeypatch, True)
-        monkeypatch.setenv(gather_sm90.ACT_ENV_VAR, fused)
-        _poison()
         launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
-        y, o = run_kernels(case, "activations", window_slots=window_slots)
+        y, o = _run_with(monkeypatch, gather_sm90.ACT_ENV_VAR, fused, case, window_slots)
         assert gather_sm90.launches() - launches == 2 * windows  # up and dh's GEMM (alone or fused) per window
         assert gather_sm90.act_launches() - acts == (windows if fused == "1" else 0)
         out.append((y, o))
