@@ -14,8 +14,8 @@ tiles (the plan's 128-slot tiles):
   and the routing-weight partials from it block by block (32 rows x 64 columns, one block per n_k / 16 steps) after
   each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop. Each block's
   A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage less for it).
-  dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91 / 1.09, D 1.18
-  / 1.43, A 9.4 / 11.2.
+  dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91 / 1.09, D 1.15
+  / 1.42, A 9.3 / 11.1.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
 contraction steps, the same activation arithmetic), so the results are bitwise equal; the cuda tests compare them.
