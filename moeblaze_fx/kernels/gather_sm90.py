@@ -36,7 +36,9 @@ One program per SM walks the output tiles in the Triton kernels' grouped order (
   side by side into one shared buffer, so one pass over x computes both), for dh 256 columns of dH'. The tile goes
   to shared memory rounded; a full tile leaves through asynchronous TMA stores, a ragged one (an expert's last rows,
   a tile cut by the window, columns past h) through masked pointer stores. The up projection's H is computed from
-  the rounded A|B read back from shared memory and written over A's half once A's store has read it.
+  the rounded A|B read back from shared memory during the next tile's K loop, in blocks of 32 x 64 after a step's
+  MMA wait as the fused dh's epilogue, and stored through pointers (``MOEBLAZE_GLUON_UP_NEXT=0``: right after the
+  tile's own K loop, written over A's half once A's store has read it, and stored through TMA).
 
 :func:`up_usable`, :func:`dh_usable` and :func:`dh_act_usable` say when a launch qualifies; everything else takes
 the Triton kernels. Gluon has no interpreter, so the CPU tests cannot run these kernels. ``MOEBLAZE_GLUON_GATHER=0``
@@ -67,10 +69,11 @@ if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     )
 
 __all__ = ["ENV_VAR", "enabled", "GatherWeights", "up_weights", "dh_weights", "up_usable", "dh_usable", "up_sm90",
-           "dh_sm90", "launches", "ACT_ENV_VAR", "act_enabled", "act_launches", "dh_act_usable", "dh_act_sm90"]
+           "dh_sm90", "launches", "ACT_ENV_VAR", "act_enabled", "UP_ENV_VAR", "up_next_enabled", "act_launches", "dh_act_usable", "dh_act_sm90"]
 
 ENV_VAR = "MOEBLAZE_GLUON_GATHER"
 ACT_ENV_VAR = "MOEBLAZE_GLUON_DH_ACT"  # "0": dh's epilogue as its own Triton launch, as before the fused kernel
+UP_ENV_VAR = "MOEBLAZE_GLUON_UP_NEXT"  # "0": up computes a tile's H after its own K loop, as before
 BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
 UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
 DH_BLOCK_N = 256
@@ -243,11 +246,32 @@ if _GLUON:
         return done
 
     @gluon.jit
+    def _up_h_run(blocks, c0_ptr, stride_c0, done, target, start, first, end, n0, slot0, n_dim, NR: gl.constexpr,
+                  RB: gl.constexpr, st: gl.constexpr):
+        """H = silu(A) * B of the pending tile's blocks from ``done`` up to ``target``, each RB rows x 64 columns of
+        H: A and B read back rounded from the tile in shared memory (``blocks``: A's column blocks, then B's), H
+        stored through pointers (rows in [first, end), columns below ``n_dim``); returns the blocks done."""
+        CW: gl.constexpr = 64
+        NH: gl.constexpr = blocks.shape[0] // 2  # H's blocks: A's half of the tile
+        dtype: gl.constexpr = blocks.dtype
+        while done < target:
+            r0, c0 = _dh_act_where(done, NR, RB, CW)
+            rows = start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
+            cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
+            af = blocks.index(done).load(st).to(gl.float32)
+            bf = blocks.index(done + NH).load(st).to(gl.float32)
+            hid = (af * (1 / (1 + gl.exp(-af))) * bf).to(dtype)  # as the Triton kernel
+            mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
+            gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)
+            done += 1
+        return done
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr, c1_ptr,
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                   k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr):
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
         ACT_EPI (dh) SwiGLU's backward on it.
 
@@ -255,7 +279,11 @@ if _GLUON:
         K loop runs. That loop computes the epilogue block by block (:func:`_dh_act_block`: dA|dB and w*H into c0's
         buffers, the partials; ``epi`` holds their pointers and strides), each after a step's wait for the previous
         step's MMA, while that step's own MMA runs. Each block's A|B is copied into ``ab_smem`` a block ahead
-        (cp.async). The last tile's blocks run after the loop."""
+        (cp.async). The last tile's blocks run after the loop.
+
+        UP_NEXT (SWIGLU): H the same way. A tile's rounded A|B stays in ``c_smem`` (A|B's TMA stores read it
+        meanwhile), and the next tile's K loop computes H from it in blocks of 32 x 64 (:func:`_up_h_run`), stored
+        through pointers; the last tile's blocks run after the loop."""
         BN: gl.constexpr = c_smem.shape[1]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         dtype: gl.constexpr = c_smem.dtype
@@ -273,7 +301,11 @@ if _GLUON:
         # be indexed at run time
         blocks = c_smem._reinterpret(dtype, [NB, RB, 64], gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                                                 element_bitwidth=16))
-        done = gl.to_tensor(NB)  # blocks of the pending tile done (NB: nothing pending)
+        if UP_NEXT:
+            NP: gl.constexpr = NB // 2  # blocks of H a tile has
+        else:
+            NP: gl.constexpr = NB
+        done = gl.to_tensor(NP)  # blocks of the pending tile done (NP: nothing pending)
         p_start = gl.to_tensor(0)  # the pending tile's start, first, end, first column
         p_first = gl.to_tensor(0)
         p_end = gl.to_tensor(1)
@@ -308,6 +340,9 @@ if _GLUON:
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
                                            p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep)
+                    if UP_NEXT:  # the pending tile's H blocks up to this step's share
+                        done = _up_h_run(blocks, c0_ptr, stride_c0, done, ((k + 1) * NP) // n_k, p_start, p_first,
+                                         p_end, p_n0, slot0, n_dim, NR, RB, ep)
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
@@ -333,6 +368,10 @@ if _GLUON:
                         _store(a_smem, c1_desc, c1_ptr, row, n0, start, first, end, slot0, n_dim, stride_c1, full)
                         _store(b_smem, c1_desc, c1_ptr, row, n_dim + n0, start, first, end, slot0, 2 * n_dim,
                                stride_c1, full)
+                if SWIGLU and UP_NEXT:  # H is pending: it runs during the next tile's K loop
+                    p_start, p_first, p_end, p_n0 = start, first, end, n0
+                    done = gl.to_tensor(0)
+                elif SWIGLU:
                     # H from the rounded A|B, as the Triton kernel: a * sigmoid(a) * b, sigmoid = 1 / (1 + exp(-a))
                     st: gl.constexpr = _st_layout(BNH)
                     af = a_smem.load(st).to(gl.float32)
@@ -347,6 +386,9 @@ if _GLUON:
             done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, NB, p_start, p_first, p_end,
                                p_n0, slot0, n_dim, NR, RB, ep)
             cp.wait_group(0)
+        if UP_NEXT:  # the last tile's H
+            done = _up_h_run(blocks, c0_ptr, stride_c0, done, NP, p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB,
+                             ep)
         tma.store_wait(0)
 
     @gluon.jit
@@ -363,6 +405,7 @@ if _GLUON:
         stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k,
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
+        UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -402,7 +445,7 @@ if _GLUON:
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
@@ -416,12 +459,13 @@ if _GLUON:
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        UP_NEXT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, True, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -434,7 +478,7 @@ if _GLUON:
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, False)
 
     @gluon.jit
     def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -448,7 +492,7 @@ if _GLUON:
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, False)
 
 
 def enabled() -> bool:
@@ -523,9 +567,10 @@ def dh_usable(dy: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
 
 
 def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: torch.Tensor | None, plan, K: int,
-            k_dim: int, n_dim: int, window, block_n: int, epi: tuple | None = None) -> None:
+            k_dim: int, n_dim: int, window, block_n: int, epi: tuple | None = None, **constexprs) -> None:
     """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None;
-    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`)."""
+    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own
+    (the up kernel's UP_NEXT)."""
     block = [BLOCK_M, block_n]
     c0_desc = GluonDescriptor.from_tensor(c0, block, down_sm90._layout(block, c0.dtype))
     c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
@@ -544,7 +589,7 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
         SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
         A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
-        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS,
+        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, **constexprs,
         num_warps=8,
     )
     _LAUNCHES[0] += 1
@@ -557,12 +602,17 @@ def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, win
     """The forward up projection of one window through this kernel (:func:`up_usable` true): H into ``hid``
     ``[slot1 - slot0, h]``, A|B into ``pre`` ``[slot1 - slot0, 2h]`` when not None."""
     _launch(_up_sm90_kernel, x, w, hid, pre[:, :2 * h] if pre is not None else None, plan, K, d, h, window,
-            UP_BLOCK_N)
+            UP_BLOCK_N, UP_NEXT=up_next_enabled())
 
 
 def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, out: torch.Tensor) -> None:
     """dh's GEMM of one window through this kernel (:func:`dh_usable` true): dH' into ``out`` ``[.., h]``."""
     _launch(_dh_sm90_kernel, dy, w, out, None, plan, K, d, h, window, DH_BLOCK_N)
+
+
+def up_next_enabled() -> bool:
+    """``MOEBLAZE_GLUON_UP_NEXT`` is not "0" (read at every call)."""
+    return os.environ.get(UP_ENV_VAR, "1") != "0"
 
 
 def act_enabled() -> bool:
