@@ -271,8 +271,7 @@ if _GLUON:
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                   k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr,
-                  REG_EPI: gl.constexpr):
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
         ACT_EPI (dh) SwiGLU's backward on it.
 
@@ -285,10 +284,7 @@ if _GLUON:
         UP_NEXT (SWIGLU): H the same way. A tile's rounded A|B stays in ``c_smem`` (A|B's TMA stores read it
         meanwhile), and the next tile's K loop computes H from it in blocks of 32 x 64 (:func:`_up_h_run`), stored
         through pointers; the last tile's blocks run after the loop."""
-        if SWIGLU:
-            BN: gl.constexpr = 2 * BNH
-        else:
-            BN: gl.constexpr = BNH
+        BN: gl.constexpr = c_smem.shape[1]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         dtype: gl.constexpr = c_smem.dtype
         tile0 = gl.load(tile0_ptr)
@@ -303,9 +299,8 @@ if _GLUON:
         # c_smem [BM, BN] with 128-byte swizzling is BN / 64 column blocks of [BM, 64], one after the other, each
         # 8-row group swizzled alike: as [NB, RB, 64], block s (rows (s % NR) * RB .. of column block s // NR) can
         # be indexed at run time
-        if ACT_EPI or UP_NEXT:
-            blocks = c_smem._reinterpret(dtype, [NB, RB, 64], gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                                                    element_bitwidth=16))
+        blocks = c_smem._reinterpret(dtype, [NB, RB, 64], gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                                                element_bitwidth=16))
         if UP_NEXT:
             NP: gl.constexpr = NB // 2  # blocks of H a tile has
         else:
@@ -353,25 +348,7 @@ if _GLUON:
                 dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
                 row = start - slot0
                 full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
-                if REG_EPI:  # SWIGLU: A|B and H stored from the registers, no shared memory
-                    v = acc.to(dtype)
-                    rows = start + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-                    row_ok = (rows >= first) & (rows < end)
-                    if SAVE_AB:
-                        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-                        half = cols // BNH  # 0: A's columns, 1: B's
-                        cn = n0 + cols - half * BNH
-                        gl.store(c1_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c1 + (cn + half * n_dim)[None, :],
-                                 v, mask=row_ok[:, None] & (cn < n_dim)[None, :])
-                    a_r, b_r = v.reshape([BM, 2, BNH]).permute((0, 2, 1)).split()
-                    af = a_r.to(gl.float32)
-                    hid = (af * (1 / (1 + gl.exp(-af))) * b_r.to(gl.float32)).to(dtype)
-                    hl: gl.constexpr = hid.type.layout
-                    hrows = start + gl.arange(0, BM, layout=gl.SliceLayout(1, hl))
-                    hcols = n0 + gl.arange(0, BNH, layout=gl.SliceLayout(0, hl))
-                    gl.store(c0_ptr + (hrows - slot0).to(gl.int64)[:, None] * stride_c0 + hcols[None, :], hid,
-                             mask=((hrows >= first) & (hrows < end))[:, None] & (hcols < n_dim)[None, :])
-                elif ACT_EPI:  # this tile's epilogue is pending: it runs during the next tile's K loop
+                if ACT_EPI:  # this tile's epilogue is pending: it runs during the next tile's K loop
                     c_smem.store(acc.to(dtype))
                     w_smem.index(0).store(w0)
                     w_smem.index(1).store(w1)
@@ -384,16 +361,14 @@ if _GLUON:
                     tma.store_wait(0)  # the previous tile's stores have read c_smem
                     c_smem.store(acc.to(dtype))
                     fence_async_shared()
-                if SWIGLU and not REG_EPI:  # columns [0, BNH) hold A, [BNH, 2 BNH) hold B
+                if SWIGLU:  # columns [0, BNH) hold A, [BNH, 2 BNH) hold B
                     a_smem = c_smem.slice(0, BNH, dim=1)
                     b_smem = c_smem.slice(BNH, BNH, dim=1)
                     if SAVE_AB:
                         _store(a_smem, c1_desc, c1_ptr, row, n0, start, first, end, slot0, n_dim, stride_c1, full)
                         _store(b_smem, c1_desc, c1_ptr, row, n_dim + n0, start, first, end, slot0, 2 * n_dim,
                                stride_c1, full)
-                if REG_EPI:
-                    pass
-                elif SWIGLU and UP_NEXT:  # H is pending: it runs during the next tile's K loop
+                if SWIGLU and UP_NEXT:  # H is pending: it runs during the next tile's K loop
                     p_start, p_first, p_end, p_n0 = start, first, end, n0
                     done = gl.to_tensor(0)
                 elif SWIGLU:
@@ -431,7 +406,6 @@ if _GLUON:
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
         UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop
-        REG_EPI: gl.constexpr = False,  # SWIGLU: A|B and H stored from the accumulator's registers
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -449,11 +423,7 @@ if _GLUON:
             b_block: gl.constexpr = [BK, BN]
         b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_block,
                                            gl.NVMMASharedLayout.get_default_for(b_block, dtype))
-        if REG_EPI:  # (unused)
-            c_smem = gl.allocate_shared_memory(dtype, [8, 64], gl.NVMMASharedLayout.get_default_for([8, 64], dtype))
-        else:
-            c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN],
-                                                                                                      dtype))
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
         ready_a, empty_a = dw_sm90.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
         ready_b, empty_b = dw_sm90.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
@@ -475,7 +445,7 @@ if _GLUON:
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT, REG_EPI)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
@@ -490,12 +460,12 @@ if _GLUON:
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        UP_NEXT: gl.constexpr, REG_EPI: gl.constexpr):
+                        UP_NEXT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, True, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT, REG_EPI)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -618,8 +588,8 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
         SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
-        **{"A_STAGES": A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
-           "B_STAGES": B_STAGES, "PRODUCER_REGS": _PRODUCER_REGS, **constexprs},
+        A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
+        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, **constexprs,
         num_warps=8,
     )
     _LAUNCHES[0] += 1
@@ -632,22 +602,12 @@ def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, win
     """The forward up projection of one window through this kernel (:func:`up_usable` true): H into ``hid``
     ``[slot1 - slot0, h]``, A|B into ``pre`` ``[slot1 - slot0, 2h]`` when not None."""
     _launch(_up_sm90_kernel, x, w, hid, pre[:, :2 * h] if pre is not None else None, plan, K, d, h, window,
-            UP_BLOCK_N, **_up_epi())
+            UP_BLOCK_N, UP_NEXT=up_next_enabled())
 
 
 def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, out: torch.Tensor) -> None:
     """dh's GEMM of one window through this kernel (:func:`dh_usable` true): dH' into ``out`` ``[.., h]``."""
     _launch(_dh_sm90_kernel, dy, w, out, None, plan, K, d, h, window, DH_BLOCK_N)
-
-
-def _up_epi() -> dict:
-    """The up kernel's epilogue constexprs from ``MOEBLAZE_GLUON_UP_EPI``: "next" (default), "after", or "regs"
-    with ``A_STAGES x B_STAGES`` (e.g. "regs4x5")."""
-    v = os.environ.get("MOEBLAZE_GLUON_UP_EPI", "next" if up_next_enabled() else "after")
-    if v.startswith("regs"):
-        a, b = (int(t) for t in v[4:].split("x"))
-        return dict(UP_NEXT=False, REG_EPI=True, A_STAGES=a, B_STAGES=b)
-    return dict(UP_NEXT=v == "next", REG_EPI=False)
 
 
 def up_next_enabled() -> bool:
