@@ -69,7 +69,8 @@ if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     )
 
 __all__ = ["ENV_VAR", "enabled", "GatherWeights", "up_weights", "dh_weights", "up_usable", "dh_usable", "up_sm90",
-           "dh_sm90", "launches", "ACT_ENV_VAR", "act_enabled", "UP_ENV_VAR", "up_next_enabled", "act_launches", "dh_act_usable", "dh_act_sm90"]
+           "dh_sm90", "launches", "ACT_ENV_VAR", "act_enabled", "act_launches", "dh_act_usable", "dh_act_sm90",
+           "UP_ENV_VAR", "up_next_enabled"]
 
 ENV_VAR = "MOEBLAZE_GLUON_GATHER"
 ACT_ENV_VAR = "MOEBLAZE_GLUON_DH_ACT"  # "0": dh's epilogue as its own Triton launch, as before the fused kernel

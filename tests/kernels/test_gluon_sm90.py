@@ -209,8 +209,8 @@ def _poison() -> None:
 
 
 def _several_tiles_a_program(slots: int, window_slots: int, h: int, block_n: int) -> None:
-    """Check that a case gives the gathering kernels' programs (one per SM) at least two tiles each in every window:
-    fewer than the plan's row tiles (at least a full window's slots / 128) x h's column tiles."""
+    """Check that a case gives the gathering kernels' programs (one per SM) at least two tiles each in its first
+    window, counting only the tiles it has for sure: the window's slots // 128 row tiles x h's column tiles."""
     window = min(slots, window_slots) if window_slots else slots
     tiles = (window // gather_sm90.BLOCK_M) * -(-h // block_n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
