@@ -165,9 +165,16 @@ if _GLUON:
             gl.store(c_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c + cols[None, :], v, mask=mask)
 
     @gluon.jit
-    def _dh_act_where(s, NR: gl.constexpr, RB: gl.constexpr, CW: gl.constexpr):
+    def _block_where(s, NR: gl.constexpr, RB: gl.constexpr, CW: gl.constexpr):
         """Block ``s`` of a tile's epilogue: rows (s % NR) * RB .., columns (s // NR) * CW .. of the tile."""
         return (s % NR) * RB, (s // NR) * CW
+
+    @gluon.jit
+    def _swiglu(a, b):
+        """H = silu(a) * b in fp32 from the rounded A and B, as the Triton kernel: a * sigmoid(a) * b, sigmoid =
+        1 / (1 + exp(-a))."""
+        a = a.to(gl.float32)
+        return a * (1 / (1 + gl.exp(-a))) * b.to(gl.float32)
 
     @gluon.jit
     def _dh_act_weights(epi, start, r0, first, end, K: gl.constexpr, RB: gl.constexpr, wl: gl.constexpr):
@@ -185,7 +192,7 @@ if _GLUON:
         [first, end), 0 past ``n_dim``. In shared memory, nothing waits for the copy until the block's turn (loaded
         into registers, the values were repacked into the loop's registers at once, which waited for them)."""
         CW: gl.constexpr = 64
-        r0, c0 = _dh_act_where(s, NR, RB, CW)
+        r0, c0 = _block_where(s, NR, RB, CW)
         rows = gl.minimum(gl.maximum(start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st)), first), end - 1)
         cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
         ld_mask = (rows >= 0)[:, None] & (cols < n_dim)[None, :]
@@ -205,7 +212,7 @@ if _GLUON:
         dpre_ptr, part_ptr, stride_dpre, stride_part = epi[1], epi[2], epi[6], epi[7]
         CW: gl.constexpr = 64
         dtype: gl.constexpr = blocks.dtype
-        r0, c0 = _dh_act_where(s, NR, RB, CW)
+        r0, c0 = _block_where(s, NR, RB, CW)
         rows = start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
         cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
         row_ok = (rows >= first) & (rows < end)
@@ -256,12 +263,10 @@ if _GLUON:
         NH: gl.constexpr = blocks.shape[0] // 2  # H's blocks: A's half of the tile
         dtype: gl.constexpr = blocks.dtype
         while done < target:
-            r0, c0 = _dh_act_where(done, NR, RB, CW)
+            r0, c0 = _block_where(done, NR, RB, CW)
             rows = start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
             cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
-            af = blocks.index(done).load(st).to(gl.float32)
-            bf = blocks.index(done + NH).load(st).to(gl.float32)
-            hid = (af * (1 / (1 + gl.exp(-af))) * bf).to(dtype)  # as the Triton kernel
+            hid = _swiglu(blocks.index(done).load(st), blocks.index(done + NH).load(st)).to(dtype)
             mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
             gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)
             done += 1
@@ -373,10 +378,8 @@ if _GLUON:
                     p_start, p_first, p_end, p_n0 = start, first, end, n0
                     done = gl.to_tensor(0)
                 elif SWIGLU:
-                    # H from the rounded A|B, as the Triton kernel: a * sigmoid(a) * b, sigmoid = 1 / (1 + exp(-a))
                     st: gl.constexpr = _st_layout(BNH)
-                    af = a_smem.load(st).to(gl.float32)
-                    hid = (af * (1 / (1 + gl.exp(-af))) * b_smem.load(st).to(gl.float32)).to(dtype)
+                    hid = _swiglu(a_smem.load(st), b_smem.load(st)).to(dtype)
                     tma.store_wait(0)  # A|B's stores have read a_smem
                     a_smem.store(hid)
                     fence_async_shared()

@@ -217,6 +217,19 @@ def _several_tiles_a_program(slots: int, window_slots: int, h: int, block_n: int
     assert tiles >= 2 * sms, f"{tiles} tiles for {sms} programs: not the case the test means"
 
 
+def _assert_same_results(first, second, what: str, weights_close: bool = False) -> None:
+    """Two (y, grads) of :func:`run_kernels` are bitwise equal: y, dx, the weight gradients and the routing-weight
+    gradient, the last within 1e-2 instead where ``weights_close`` (sums of 64-column partials in another order)."""
+    (y1, o1), (y2, o2) = first, second
+    assert torch.equal(y1, y2), f"forward differs from {what}"
+    assert torch.equal(o1["x"], o2["x"]), f"dx differs from {what}"
+    if weights_close:
+        torch.testing.assert_close(o1["weights"], o2["weights"], rtol=1e-2, atol=1e-5)
+    else:
+        assert torch.equal(o1["weights"], o2["weights"]), f"routing-weight gradients differ from {what}"
+    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), f"weight gradients differ from {what}"
+
+
 def _launches() -> tuple[int, int, int]:
     return down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches()
 
@@ -244,15 +257,9 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
     before = _launches()
     y2, o2 = run_kernels(case, policy, window_slots=window_slots)
     assert _launches() == before
-    assert torch.equal(y1, y2), "forward differs from the Triton kernels'"
-    assert torch.equal(o1["x"], o2["x"]), "dx differs from the Triton kernels'"
-    if fused and h % 64:
-        # the fused dh sums <dH', H> over 64 columns in its own order, which the Triton epilogue lays out otherwise
-        # where h % 64 != 0: a last-bit difference in a few routing-weight gradients
-        torch.testing.assert_close(o1["weights"], o2["weights"], rtol=1e-2, atol=1e-5)
-    else:
-        assert torch.equal(o1["weights"], o2["weights"])
-    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), "weight gradients differ"
+    # the fused dh sums <dH', H> over 64 columns in its own order, which the Triton epilogue lays out otherwise where
+    # h % 64 != 0: a last-bit difference in a few routing-weight gradients
+    _assert_same_results((y1, o1), (y2, o2), "the Triton kernels'", weights_close=fused and h % 64 != 0)
 
 
 @pytest.mark.cuda
@@ -326,15 +333,8 @@ def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, id
         assert gather_sm90.launches() - launches == 2 * windows  # up and dh's GEMM (alone or fused) per window
         assert gather_sm90.act_launches() - acts == (windows if fused == "1" else 0)
         out.append((y, o))
-    (y1, o1), (y2, o2) = out
-    assert torch.equal(y1, y2)
-    assert torch.equal(o1["x"], o2["x"]), "dx differs from the split dh's"
-    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), "weight gradients differ"
-    if h % 64:
-        torch.testing.assert_close(o1["weights"], o2["weights"], rtol=1e-2, atol=1e-5)
-    else:
-        assert torch.equal(o1["weights"], o2["weights"]), "routing-weight gradients differ"
-    assert torch.isfinite(o1["weights"]).all()
+    _assert_same_results(*out, "the split dh's", weights_close=h % 64 != 0)
+    assert torch.isfinite(out[0][1]["weights"]).all()
 
 
 @pytest.mark.cuda
@@ -364,11 +364,7 @@ def test_up_h_in_next_loop_matches_after_loop_cuda(monkeypatch, T, d, h, E, K, i
         assert gather_sm90.launches() - launches == per_window * windows
         assert torch.isfinite(y).all(), "an unwritten H element"
         out.append((y, o))
-    (y1, o1), (y2, o2) = out
-    assert torch.equal(y1, y2), "forward differs from H after the K loop"
-    assert torch.equal(o1["x"], o2["x"])
-    assert torch.equal(o1["weights"], o2["weights"])
-    assert all(torch.equal(a, b) for a, b in zip(o1["storage"], o2["storage"])), "weight gradients differ"
+    _assert_same_results(*out, "H after the K loop")
 
 
 @pytest.mark.cuda
