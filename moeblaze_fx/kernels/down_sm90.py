@@ -46,18 +46,14 @@ try:  # Gluon is experimental: its import (and API) may be missing from a Triton
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     _GLUON = True
 except ImportError:  # pragma: no cover - depends on the Triton build
     _GLUON = False
 
-__all__ = ["ENV_VAR", "enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches", "EACH_ENV_VAR",
-           "each_enabled", "CONSUMER_THREADS"]
+__all__ = ["ENV_VAR", "enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches"]
 
 ENV_VAR = "MOEBLAZE_GLUON_DOWN"
-EACH_ENV_VAR = "MOEBLAZE_GLUON_ARRIVE_EACH"  # "0": one consumer thread frees a stage, after a bar.sync, as before
-CONSUMER_THREADS = 256  # the 8-warp consumer partition of every Gluon kernel here
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # BLOCK_M is the plan's row tile
 STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernel
@@ -66,8 +62,6 @@ _LAUNCHES = [0]
 
 
 if _GLUON:
-    _CONSUMERS: gl.constexpr = gl.constexpr(CONSUMER_THREADS)
-
     @gluon.jit
     def _grouped_ids(t, num_m, num_n, GROUP_M: gl.constexpr):
         """(row tile, column block) of tile ``t``: ``expert_fwd._grouped_tile_ids`` in Gluon (a Gluon kernel cannot
@@ -92,20 +86,6 @@ if _GLUON:
         first = gl.maximum(start, slot0)
         e = gl.where(inside & (e >= 0) & (first < end), e, -1)
         return e, start, first, end, pid_n
-
-    @gluon.jit
-    def free_stage(empty, pred, EACH: gl.constexpr):
-        """The consumer partition frees a ring's stage, whose MMA is done, by arriving on its ``empty`` barrier when
-        ``pred``. EACH: every consumer thread arrives (the barrier counts ``CONSUMER_THREADS``) with
-        ``cp.async.mbarrier.arrive``; it needs no partition-wide barrier. Else one thread arrives with
-        ``mbarrier.arrive``, before which Triton puts a ``bar.sync`` of the partition (a thread must not free the
-        stage while another still waits for it), and which it models as touching all shared memory, so that the
-        next ``mbarrier.wait`` gets a ``bar.sync`` too."""
-        if EACH:
-            if pred:
-                _cp.mbarrier_arrive(empty, increment_count=False)
-        else:
-            mbarrier.arrive(empty, pred=pred)
 
     @gluon.jit
     def _load_step(a_desc, b_desc, a_col, b_row, b_col, a_row, bar, a_buf, b_buf):
@@ -149,7 +129,7 @@ if _GLUON:
     def _consumer(a_bufs, b_bufs, c_smem, ready, empty, c_desc, c_ptr, bias_ptr, tile0_ptr, tile_expert_ptr,
                   tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim, stride_c,
                   TWO_B: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, EACH: gl.constexpr):
+                  STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         st: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # 16 bytes a thread along a row
         tile0 = gl.load(tile0_ptr)
@@ -175,10 +155,10 @@ if _GLUON:
                         b = b_bufs.index(s)
                     acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=k > 0, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    free_stage(empty.index((g + STAGES - 1) % STAGES), k > 0, EACH)  # step k - 1's MMA is done
+                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)  # step k - 1's MMA is done
                     g += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                free_stage(empty.index((g + STAGES - 1) % STAGES), True, EACH)
+                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
                 if HAS_BIAS:
                     cols_b = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
                     bias = gl.load(bias_ptr + e.to(gl.int64) * n_dim + cols_b, mask=cols_b < n_dim, other=0.0)
@@ -206,7 +186,7 @@ if _GLUON:
         tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
         num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim, e_rows0, e_rows1, stride_c,
         TWO_B: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, EACH: gl.constexpr,
+        STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + 1 producer warp."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -220,7 +200,7 @@ if _GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=_CONSUMERS if EACH else 1)
+            mbarrier.init(empty.index(i), count=1)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
         slot0, slot1 = gl.to_tensor(slot0), gl.to_tensor(slot1)
@@ -229,17 +209,11 @@ if _GLUON:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, c_smem, ready, empty, c_desc, c_ptr, bias_ptr, tile0_ptr, tile_expert_ptr,
                          tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim, stride_c,
-                         TWO_B, B_KMAJOR, HAS_BIAS, GROUP_M, STAGES, BM, BN, BK, EACH)),
+                         TWO_B, B_KMAJOR, HAS_BIAS, GROUP_M, STAGES, BM, BN, BK)),
             (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, tile0_ptr, tile_expert_ptr,
                          tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim, e_rows0, e_rows1,
                          TWO_B, B_KMAJOR, GROUP_M, STAGES, BN, BK)),
         ], [1], [PRODUCER_REGS])
-
-
-def each_enabled() -> bool:
-    """``MOEBLAZE_GLUON_ARRIVE_EACH`` is not "0": in the Gluon kernels (down, dW, the gathering GEMMs) every consumer
-    thread arrives on a stage's empty barrier (:func:`free_stage`; read at every call)."""
-    return os.environ.get(EACH_ENV_VAR, "1") != "0"
 
 
 def enabled() -> bool:
@@ -356,7 +330,7 @@ def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out
         plan.tile_start, plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1,
         k_dim, n_dim, *w.e_rows, out.stride(0),
         TWO_B=w.two_b, B_KMAJOR=w.kmajor, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, STAGES=STAGES,
-        PRODUCER_REGS=_PRODUCER_REGS, EACH=each_enabled(), num_warps=8,
+        PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
     _LAUNCHES[0] += 1
     return out

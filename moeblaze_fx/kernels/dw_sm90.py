@@ -149,7 +149,7 @@ if _GLUON:
     def _consumer(a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, c_desc, e_rows,
                   offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m, stride_o_n,
                   ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, STORE_TMA: gl.constexpr,
-                  GROUP_M: gl.constexpr, SA: gl.constexpr, SB: gl.constexpr, EACH: gl.constexpr):
+                  GROUP_M: gl.constexpr, SA: gl.constexpr, SB: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16])
         if O_COL:  # 16 bytes a thread down a column
             st: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 8], [0, 1])
@@ -183,10 +183,10 @@ if _GLUON:
                         acc = warpgroup_mma(a_bufs.index(sa).permute((1, 0)), b_bufs.index(sb), acc,
                                             use_acc=(k > 0) | MAY_ADD, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                        release(empty_a, empty_b, g - 1, SA, SB, k > 0, EACH)  # step k - 1's MMA is done
+                        release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                         g += 1
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    release(empty_a, empty_b, g - 1, SA, SB, True, EACH)
+                    release(empty_a, empty_b, g - 1, SA, SB, True)
                     tile = acc.to(dtype)
                 else:  # no slots here: this window writes the expert's zeros
                     tile = gl.zeros([BM, BN], dtype, layout=mma)
@@ -212,23 +212,23 @@ if _GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def ring_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr, EACH: gl.constexpr):
+    def ring_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
         """(ready, empty) of a ring of ``STAGES``: ready counts ``READY_COUNT`` arrivals (128 where each thread of a
-        4-warp producer arrives when its cp.async copies land; 1 where TMA copies complete it), empty one arrival of
-        the consumers, or with EACH one a consumer thread (:func:`release`)."""
+        4-warp producer arrives when its cp.async copies land; 1 where TMA copies complete it), empty one arrival
+        of the consumers."""
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=READY_COUNT)
-            mbarrier.init(empty.index(i), count=down_sm90._CONSUMERS if EACH else 1)
+            mbarrier.init(empty.index(i), count=1)
         return ready, empty
 
     @gluon.jit
-    def release(empty_a, empty_b, g, SA: gl.constexpr, SB: gl.constexpr, pred, EACH: gl.constexpr):
+    def release(empty_a, empty_b, g, SA: gl.constexpr, SB: gl.constexpr, pred):
         """Step ``g``'s stages of both rings are free again: its MMA is done (``g`` may be -1 where ``pred`` is
-        false). EACH: as :func:`.down_sm90.free_stage`."""
-        down_sm90.free_stage(empty_a.index((g + SA) % SA), pred, EACH)
-        down_sm90.free_stage(empty_b.index((g + SB) % SB), pred, EACH)
+        false)."""
+        mbarrier.arrive(empty_a.index((g + SA) % SA), pred=pred)
+        mbarrier.arrive(empty_b.index((g + SB) % SB), pred=pred)
 
     @gluon.jit
     def _expert_dw_sm90_kernel(
@@ -244,7 +244,6 @@ if _GLUON:
         slot0, slot1, own_end, stride_a, stride_b, stride_o_m, stride_o_n,
         ACCUMULATE: gl.constexpr, MAY_ADD: gl.constexpr, O_COL: gl.constexpr, STORE_TMA: gl.constexpr,
         GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        EACH: gl.constexpr,  # every consumer thread frees a stage (down_sm90.free_stage)
     ):
         """grid = (min(SMs, num_tiles),), num_warps=8 (consumers) + a 4-warp producer."""
         dtype: gl.constexpr = b_desc.dtype
@@ -259,8 +258,8 @@ if _GLUON:
             else:
                 c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
             c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
-        ready_a, empty_a = ring_barriers(A_STAGES, 128, EACH)
-        ready_b, empty_b = ring_barriers(B_STAGES, 1, EACH)
+        ready_a, empty_a = ring_barriers(A_STAGES, 128)
+        ready_b, empty_b = ring_barriers(B_STAGES, 1)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
         m_dim, n_dim = gl.to_tensor(m_dim), gl.to_tensor(n_dim)
@@ -270,7 +269,7 @@ if _GLUON:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, out_table_ptr, c_desc, e_rows,
                          offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, stride_o_m,
-                         stride_o_n, ACCUMULATE, MAY_ADD, O_COL, STORE_TMA, GROUP_M, A_STAGES, B_STAGES, EACH)),
+                         stride_o_n, ACCUMULATE, MAY_ADD, O_COL, STORE_TMA, GROUP_M, A_STAGES, B_STAGES)),
             (_producer, (a_ptr, b_ptr, b_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a, empty_b,
                          offsets_ptr, num_tiles, num_m, num_n, m_dim, n_dim, slot0, slot1, own_end, K, stride_a,
                          stride_b, ACCUMULATE, GROUP_M, A_STAGES, B_STAGES)),
@@ -345,8 +344,7 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
         tokens, slots, b_desc, out.ptrs, c_desc, e_rows, plan.token_index, plan.offsets, num_tiles, num_m, num_n,
         m_dim, n_dim, K, slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, STORE_TMA=store is not None,
-        GROUP_M=GROUP_M, A_STAGES=A_STAGES, B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS,
-        EACH=down_sm90.each_enabled(), num_warps=8,
+        GROUP_M=GROUP_M, A_STAGES=A_STAGES, B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
     _LAUNCHES[0] += 1
     _STORE_LAUNCHES[0] += store is not None

@@ -277,7 +277,7 @@ if _GLUON:
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                   k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr, EACH: gl.constexpr):
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
         ACT_EPI (dh) SwiGLU's backward on it.
 
@@ -341,7 +341,7 @@ if _GLUON:
                         b = b_bufs.index(sb)
                     acc = warpgroup_mma(a_bufs.index(sa), b, acc, use_acc=k > 0, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0, EACH)  # step k - 1's MMA is done
+                    dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
@@ -351,7 +351,7 @@ if _GLUON:
                                          p_end, p_n0, slot0, n_dim, NR, RB, ep)
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True, EACH)
+                dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
                 row = start - slot0
                 full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
                 if ACT_EPI:  # this tile's epilogue is pending: it runs during the next tile's K loop
@@ -410,7 +410,6 @@ if _GLUON:
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
         UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop
-        EACH: gl.constexpr,  # every consumer thread arrives on the empty barriers (dw_sm90.release)
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -429,8 +428,8 @@ if _GLUON:
         b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_block,
                                            gl.NVMMASharedLayout.get_default_for(b_block, dtype))
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
-        ready_a, empty_a = dw_sm90.ring_barriers(A_STAGES, 128, EACH)  # ready: one arrival a producer thread
-        ready_b, empty_b = dw_sm90.ring_barriers(B_STAGES, 1, EACH)  # ready: completed by the TMA copies
+        ready_a, empty_a = dw_sm90.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
+        ready_b, empty_b = dw_sm90.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
         slot0, slot1 = gl.to_tensor(slot0), gl.to_tensor(slot1)
@@ -450,7 +449,7 @@ if _GLUON:
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT, EACH)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
@@ -465,12 +464,12 @@ if _GLUON:
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        UP_NEXT: gl.constexpr, EACH: gl.constexpr):
+                        UP_NEXT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, True, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT, EACH)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -478,13 +477,12 @@ if _GLUON:
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        EACH: gl.constexpr):
+                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, False, EACH)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, False)
 
     @gluon.jit
     def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -493,12 +491,12 @@ if _GLUON:
                             pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part,
                             stride_wt_t, stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
                             GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr, EACH: gl.constexpr):
+                            PRODUCER_REGS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, False, EACH)
+                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, False)
 
 
 def enabled() -> bool:
@@ -595,7 +593,7 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
         SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
         A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
-        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, EACH=down_sm90.each_enabled(), **constexprs,
+        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, **constexprs,
         num_warps=8,
     )
     _LAUNCHES[0] += 1

@@ -66,15 +66,13 @@ def test_switch_is_read_at_every_call(monkeypatch, mod):
     assert mod.enabled()
 
 
-@pytest.mark.parametrize("var,on", [(gather_sm90.UP_ENV_VAR, gather_sm90.up_next_enabled),
-                                    (down_sm90.EACH_ENV_VAR, down_sm90.each_enabled)], ids=["up_next", "each"])
-def test_variant_switch_is_read_at_every_call(monkeypatch, var, on):
-    monkeypatch.setenv(var, "0")
-    assert not on()
-    monkeypatch.setenv(var, "1")
-    assert on()
-    monkeypatch.delenv(var)
-    assert on()
+def test_up_next_switch_is_read_at_every_call(monkeypatch):
+    monkeypatch.setenv(gather_sm90.UP_ENV_VAR, "0")
+    assert not gather_sm90.up_next_enabled()
+    monkeypatch.setenv(gather_sm90.UP_ENV_VAR, "1")
+    assert gather_sm90.up_next_enabled()
+    monkeypatch.delenv(gather_sm90.UP_ENV_VAR)
+    assert gather_sm90.up_next_enabled()
 
 
 def test_dw_never_taken_on_the_cpu():
@@ -193,7 +191,6 @@ def _switch(monkeypatch, on: bool) -> None:
     monkeypatch.delenv(dw_sm90.STORE_TMA_ENV_VAR, raising=False)
     monkeypatch.delenv(gather_sm90.ACT_ENV_VAR, raising=False)
     monkeypatch.delenv(gather_sm90.UP_ENV_VAR, raising=False)
-    monkeypatch.delenv(down_sm90.EACH_ENV_VAR, raising=False)
 
 
 def _run_with(monkeypatch, var: str, value: str, case, window_slots: int, policy: str = "activations"):
@@ -368,28 +365,6 @@ def test_up_h_in_next_loop_matches_after_loop_cuda(monkeypatch, T, d, h, E, K, i
         assert torch.isfinite(y).all(), "an unwritten H element"
         out.append((y, o))
     _assert_same_results(*out, "H after the K loop")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("policy", ("activations", "recompute"))
-def test_each_consumer_thread_frees_stages_cuda(monkeypatch, policy):
-    # MOEBLAZE_GLUON_ARRIVE_EACH=0: one consumer thread of each Gluon kernel (down, dW, up, dh) frees a stage, after
-    # a bar.sync of its 8 warps; by default each of the 256 threads arrives on the stage's empty barrier once its own
-    # warpgroup's MMA is done. The MMAs read the same stages in the same order either way: bitwise equal results. A
-    # stage refilled before a warpgroup had read it would show as a difference. Every kernel here gets several
-    # tiles a program, so each program's rings wrap many times.
-    _need_sm90()
-    T, d, h, E, K = 8192, 1024, 1024, 16, 2
-    _several_tiles_a_program(T * K, 0, h, gather_sm90.DH_BLOCK_N)
-    assert E * (d // 128) * (h // 256) >= 2 * torch.cuda.get_device_properties(0).multi_processor_count  # dW's tiles
-    case = make_case(T, d, h, E, K, act="swiglu", layout="hf_fused", device="cuda", dtype=torch.bfloat16,
-                     ids_mode="random", seed=T + 17)
-    out = []
-    for value in ("1", "0"):
-        before = _launches()
-        out.append(_run_with(monkeypatch, down_sm90.EACH_ENV_VAR, value, case, 0, policy))
-        assert all(a > b for a, b in zip(_launches(), before)), "a Gluon kernel was not taken"
-    _assert_same_results(*out, "one thread's arrivals")
 
 
 @pytest.mark.cuda
