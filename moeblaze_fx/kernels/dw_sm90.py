@@ -302,9 +302,19 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
         return False
     if slots.numel() == 0 or not (down_sm90._rows_ok(tokens) and down_sm90._rows_ok(slots)) or out_align < 16:
         return False
+    return table_ok(out)
+
+
+def table_ok(out) -> bool:
+    """:func:`usable`'s conditions on the output table: [rows, cols] multiples of the tile's [128, 256], one unit
+    stride, the other a multiple of 16 bytes, and every element's offset inside an expert's matrix below 2**31 (the
+    kernel computes them in 32 bits: a table over a ``[d, E * 2h]`` weight, viewed ``[E, 2h, d]``, has a row stride
+    of E * 2h and can pass it; the Triton kernel, in 64 bits, takes those)."""
     if out.rows % TILE[0] or out.cols % TILE[1]:
         return False
-    item = tokens.element_size()
+    if (out.rows - 1) * abs(out.stride_r) + (out.cols - 1) * abs(out.stride_c) >= 2 ** 31:
+        return False
+    item = out.dtype.itemsize
     return (out.stride_c == 1 and (out.stride_r * item) % 16 == 0) or (out.stride_r == 1 and
                                                                        (out.stride_c * item) % 16 == 0)
 

@@ -243,8 +243,8 @@ def _expert_dh_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = grad_y_ptr + tok[:, None] * stride_g_t + offs_k[None, :] * stride_g_d  # [BLOCK_M, BLOCK_K]
     wd_e = _table_ptr(down_table_ptr, e, w_ty, W_ALIGN)
-    wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
-    wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :] * stride_wd_n  # [BLOCK_K, BLOCK_N]
+    wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :].to(tl.int64) * stride_wd_n  # [BLOCK_K, BLOCK_N]
+    wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :].to(tl.int64) * stride_wd_n  # [BLOCK_K, BLOCK_N]
     if RECOMPUTE:
         x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
         wg_ptrs = (_table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
@@ -513,7 +513,7 @@ def _expert_bias_grad_kernel(
         v = tl.load(src_ptr + r[:, None] * stride_src_r + offs_n_ld[None, :] * stride_src_n,
                     mask=s_mask[:, None], other=0.0).to(tl.float32)
         if DOT:
-            tl.store(part_ptr + pid_n * stride_part_c + s.to(tl.int64), tl.sum(v * bias[None, :], axis=1),
+            tl.store(part_ptr + pid_n.to(tl.int64) * stride_part_c + s.to(tl.int64), tl.sum(v * bias[None, :], axis=1),
                      mask=s_mask)
         if SCALE:
             wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k,

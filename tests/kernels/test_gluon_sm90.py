@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_bwd, expert_fwd, gather_sm90
-from moeblaze_fx.kernels.tables import table_of, table_of_list
+from moeblaze_fx.kernels.tables import WeightTable, table_of, table_of_list
 
 from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
 
@@ -80,6 +80,22 @@ def test_dw_never_taken_on_the_cpu():
     slots = torch.randn(16, 256, dtype=torch.bfloat16)
     out = table_of(torch.empty(4, 128, 256, dtype=torch.bfloat16))
     assert not dw_sm90.usable(x, slots, out, 16)
+
+
+def test_dw_leaves_tables_past_32_bit_offsets_to_triton():
+    # The Gluon dW kernel addresses an element of an expert's matrix with a 32-bit offset (row x row stride + column x
+    # column stride). A Megatron-style weight1 [d, E * 2h], viewed [E, 2h, d], gives dW_gate|up's transposed table a
+    # stride of E * 2h: with E = 128, h = 8192, d = 2048 the last row's offset passes 2**31, with E = 8 it does not.
+    def table(rows, cols, stride_r, stride_c):
+        return WeightTable(torch.zeros(2, dtype=torch.int64), rows, cols, stride_r, stride_c, torch.bfloat16, 16)
+
+    h, d = 8192, 2048
+    for E, fits in ((128, False), (8, True)):
+        assert dw_sm90.table_ok(table(d, 2 * h, E * 2 * h, 1)) == fits  # rows along d, 2h contiguous
+        assert dw_sm90.table_ok(table(2 * h, d, 1, E * 2 * h)) == fits  # the same matrix read transposed
+    assert dw_sm90.table_ok(table(d, 2 * h, 2 * h, 1))
+    assert not dw_sm90.table_ok(table(d, 2 * h - 128, 2 * h, 1))  # columns not a multiple of 256
+    assert not dw_sm90.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # rows 8 bytes apart from 16-byte alignment
 
 
 def test_dw_store_descriptor_covers_each_experts_matrix(monkeypatch):
