@@ -233,7 +233,7 @@ if _GLUON:
     @gluon.jit
     def _expert_dw_sm90_kernel(
         a_ptr,  # [T, m_dim] read at row token(s): dy or x; unit column stride
-        b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; its descriptor, block [BK, BN]
+        b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; descriptor, block [BK, BN]
         out_table_ptr,  # [E] int64: dW[e] [m_dim, n_dim] via (stride_o_m, stride_o_n), a's dtype, 16-byte aligned
         c_desc,  # with STORE_TMA: dW as 2-D row blocks, expert e's [m, n] (or, O_COL, [n, m]) at rows e * e_rows ..;
         # block [BM, BN] (O_COL: [BN, BM]); else out_table_ptr again, unused

@@ -95,7 +95,7 @@ def test_dw_leaves_tables_past_32_bit_offsets_to_triton():
         assert dw_sm90.table_ok(table(2 * h, d, 1, E * 2 * h)) == fits  # the same matrix read transposed
     assert dw_sm90.table_ok(table(d, 2 * h, 2 * h, 1))
     assert not dw_sm90.table_ok(table(d, 2 * h - 128, 2 * h, 1))  # columns not a multiple of 256
-    assert not dw_sm90.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # rows 8 bytes apart from 16-byte alignment
+    assert not dw_sm90.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # a row stride that is not a multiple of 16 bytes
 
 
 def test_dw_store_descriptor_covers_each_experts_matrix(monkeypatch):
