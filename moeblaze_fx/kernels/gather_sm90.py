@@ -165,9 +165,12 @@ if _GLUON:
             gl.store(c_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c + cols[None, :], v, mask=mask)
 
     @gluon.jit
-    def _block_where(s, NR: gl.constexpr, RB: gl.constexpr, CW: gl.constexpr):
-        """Block ``s`` of a tile's epilogue: rows (s % NR) * RB .., columns (s // NR) * CW .. of the tile."""
-        return (s % NR) * RB, (s // NR) * CW
+    def _block_at(s, start, n0, NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
+        """Block ``s`` of the epilogue of the tile at slot ``start``, column ``n0``: its slots start + (s % NR) * RB
+        .. (RB of them) and columns n0 + (s // NR) * 64 .. (64), in ``st``'s row and column slices."""
+        rows = start + (s % NR) * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
+        cols = n0 + (s // NR) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, st))
+        return rows, cols
 
     @gluon.jit
     def _swiglu(a, b):
@@ -191,10 +194,8 @@ if _GLUON:
         buffers 2p and 2p + 1 of ``ab_smem`` ([4, RB, 64]) with cp.async, one commit group; rows clamped into
         [first, end), 0 past ``n_dim``. In shared memory, nothing waits for the copy until the block's turn (loaded
         into registers, the values were repacked into the loop's registers at once, which waited for them)."""
-        CW: gl.constexpr = 64
-        r0, c0 = _block_where(s, NR, RB, CW)
-        rows = gl.minimum(gl.maximum(start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st)), first), end - 1)
-        cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
+        rows, cols = _block_at(s, start, n0, NR, RB, st)
+        rows = gl.minimum(gl.maximum(rows, first), end - 1)
         ld_mask = (rows >= 0)[:, None] & (cols < n_dim)[None, :]
         pre = epi[0] + (rows - slot0).to(gl.int64)[:, None] * epi[5] + cols[None, :]
         cp.async_copy_global_to_shared(ab_smem.index(2 * p), pre, mask=ld_mask)
@@ -210,11 +211,9 @@ if _GLUON:
         buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (zeros past ``n_dim``, whose columns
         are masked anyway); ``w_blocks``: the tile's routing weights (fp32) by row block."""
         dpre_ptr, part_ptr, stride_dpre, stride_part = epi[1], epi[2], epi[6], epi[7]
-        CW: gl.constexpr = 64
         dtype: gl.constexpr = blocks.dtype
-        r0, c0 = _block_where(s, NR, RB, CW)
-        rows = start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
-        cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
+        rows, cols = _block_at(s, start, n0, NR, RB, st)
+        col0 = n0 + (s // NR) * 64  # the block's first column: its chunk of the partials
         row_ok = (rows >= first) & (rows < end)
         col_ok = cols < n_dim
         wt = w_blocks.index(s % NR).load(gl.SliceLayout(1, st))
@@ -234,8 +233,8 @@ if _GLUON:
         gl.store(dpre, d_a.to(dtype), mask=mask)
         gl.store(dpre + n_dim, d_b.to(dtype), mask=mask)
         gl.store(hw_ptr + local * stride_hw + cols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
-        gl.store(part_ptr + ((n0 + c0) // CW).to(gl.int64) * stride_part + rows, part,
-                 mask=row_ok & (n0 + c0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
+        gl.store(part_ptr + (col0 // 64).to(gl.int64) * stride_part + rows, part,
+                 mask=row_ok & (col0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
 
     @gluon.jit
     def _dh_act_run(blocks, w_smem, ab_smem, epi, hw_ptr, stride_hw, done, target, start, first, end, n0, slot0,
@@ -259,13 +258,10 @@ if _GLUON:
         """H = silu(A) * B of the pending tile's blocks from ``done`` up to ``target``, each RB rows x 64 columns of
         H: A and B read back rounded from the tile in shared memory (``blocks``: A's column blocks, then B's), H
         stored through pointers (rows in [first, end), columns below ``n_dim``); returns the blocks done."""
-        CW: gl.constexpr = 64
         NH: gl.constexpr = blocks.shape[0] // 2  # H's blocks: A's half of the tile
         dtype: gl.constexpr = blocks.dtype
         while done < target:
-            r0, c0 = _block_where(done, NR, RB, CW)
-            rows = start + r0 + gl.arange(0, RB, layout=gl.SliceLayout(1, st))
-            cols = n0 + c0 + gl.arange(0, CW, layout=gl.SliceLayout(0, st))
+            rows, cols = _block_at(done, start, n0, NR, RB, st)
             hid = _swiglu(blocks.index(done).load(st), blocks.index(done + NH).load(st)).to(dtype)
             mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
             gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)

@@ -233,6 +233,16 @@ def _several_tiles_a_program(slots: int, window_slots: int, h: int, block_n: int
     assert tiles >= 2 * sms, f"{tiles} tiles for {sms} programs: not the case the test means"
 
 
+def _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, block_n, seed):
+    """A SwiGLU case on the GPU for comparing two variants of a deferred epilogue, checked to give every program at
+    least two tiles (:func:`_several_tiles_a_program`, tiles ``block_n`` wide), and its number of slot windows."""
+    _need_sm90()
+    _several_tiles_a_program(T * K, window_slots, h, block_n)
+    case = make_case(T, d, h, E, K, act="swiglu", layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
+                     seed=seed)
+    return case, expert_fwd.num_slot_windows(T * K, window_slots)
+
+
 def _assert_same_results(first, second, what: str, weights_close: bool = False) -> None:
     """Two (y, grads) of :func:`run_kernels` are bitwise equal: y, dx, the weight gradients and the routing-weight
     gradient, the last within 1e-2 instead where ``weights_close`` (sums of 64-column partials in another order)."""
@@ -337,11 +347,7 @@ def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, id
     # sums the same 64-column partials, each in an order that may differ where h % 64 != 0. Tiles cut by windows,
     # several tiles a program (each tile's epilogue runs in the next one's K loop) and the last tile's (after the
     # loop) are all here.
-    _need_sm90()
-    _several_tiles_a_program(T * K, window_slots, h, gather_sm90.DH_BLOCK_N)
-    case = make_case(T, d, h, E, K, act="swiglu", layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
-                     seed=T + 11)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, gather_sm90.DH_BLOCK_N, T + 11)
     out = []
     for fused in ("1", "0"):
         launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
@@ -367,11 +373,7 @@ def test_up_h_in_next_loop_matches_after_loop_cuda(monkeypatch, T, d, h, E, K, i
     # after the loop). H is the same elementwise function of the same rounded A|B: bitwise equal outputs and
     # gradients. The cases have several tiles a program (each tile's H then runs in the next one's K loop, the last
     # tile's after the loop) and ragged tiles (experts' last rows, windows, columns past h).
-    _need_sm90()
-    _several_tiles_a_program(T * K, window_slots, h, gather_sm90.UP_BLOCK_N)
-    case = make_case(T, d, h, E, K, act="swiglu", layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
-                     seed=T + 13)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, gather_sm90.UP_BLOCK_N, T + 13)
     out = []
     for value in ("1", "0"):
         launches = gather_sm90.launches()
