@@ -1,13 +1,17 @@
 """The MoEBlaze operators, registered with ``torch.library``.
 
 ``torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)``
-returns ``(y, preact)``:
+returns ``(y, preact, plan)``:
 
 * ``y [T, d]`` in x's dtype: ``y[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t])``;
 * ``preact [T*K, 2h]`` (gate|up pre-activations, biases included; ``[T*K, h]`` for a plain
   activation) in slot order (the whole batch's on the Triton path, each token chunk's on the PyTorch
-  path) under ``checkpoint="activations"``, an empty ``[0]`` tensor under ``"recompute"``. Only ``y``
-  is meant for callers.
+  path) under ``checkpoint="activations"``, an empty ``[0]`` tensor under ``"recompute"``;
+* ``plan``: on the Triton path, the five int32 tensors of the forward's :class:`DispatchPlan` (the index
+  structures: ``[E+1]`` offsets, ``[T*K]`` token index and slot of each pair, two tile tables); an empty
+  list on the PyTorch path, which builds a plan per token chunk.
+
+Only ``y`` is meant for callers.
 
 The expert parameters arrive as they are stored: ``params`` is the list of parameter tensors and
 ``layout`` (see :class:`RoleView`, :func:`encode_layout`) says where in them each *role* lives (gate
@@ -17,15 +21,15 @@ separate per-expert tensors (``ModuleList`` experts). Nothing is stacked or copi
 the weights through per-expert pointer tables and write the weight gradients straight into storage
 of each parameter's own layout.
 
-AOTAutograd saves for ``moeblaze::moe_ffn_backward`` exactly x, the ids, the routing weights and,
-under the default policy, the pre-activations; the dispatch plan (a few int32 per pair) is rebuilt in
-backward by the same deterministic dispatch. ``chunk_tokens`` (0: no bound) bounds the operator's
-transient buffers. The Triton path builds one plan and runs its expert-sorted slots in windows of
-``chunk_tokens * K`` slots: each expert's weights are read by the windows its slots fall in (not by
-every window), its weight gradient is written by the window where its slots start and added to by any
-later one they reach, and y / dx accumulate across windows. The PyTorch path runs chunks of
-``chunk_tokens`` tokens. All output shapes are static functions of the input shapes (no host
-synchronisation), so dynamic T and CUDA graphs work.
+AOTAutograd saves for ``moeblaze::moe_ffn_backward`` exactly x, the ids, the routing weights, the
+forward's plan (two int32 per pair, Triton path) and, under the default policy, the pre-activations; the
+PyTorch path rebuilds its plans in backward by the same deterministic dispatch. ``chunk_tokens`` (0: no
+bound) bounds the operator's transient buffers. The Triton path builds one plan and runs its
+expert-sorted slots in windows of ``chunk_tokens * K`` slots: each expert's weights are read by the
+windows its slots fall in (not by every window), its weight gradient is written by the window where its
+slots start and added to by any later one they reach, and y / dx accumulate across windows. The PyTorch
+path runs chunks of ``chunk_tokens`` tokens. All output shapes are static functions of the input shapes
+(no host synchronisation), so dynamic T and CUDA graphs work.
 
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
 bfloat16/float16 by the Triton kernels in ``kernels/`` where they are available.
@@ -397,7 +401,7 @@ def _moe_ffn(
     activation: str,
     checkpoint: str,
     chunk_tokens: int,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, list[Tensor]]:
     h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
     _check_ids_range(ids)
     E, views = decode_layout(layout)
@@ -407,17 +411,18 @@ def _moe_ffn(
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):  # one plan; windows of chunk_tokens * K slots bound the transients
         plan = _make_plan(ids, E, plan_block_m(x.device))
-        return _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
-                                                   window_slots=chunk_tokens * K)
+        y, preact = _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
+                                                        window_slots=chunk_tokens * K)
+        return y, preact, list(plan)  # saved for backward: the backward does not dispatch again
     chunks = _chunks(T, chunk_tokens)
     if len(chunks) == 1:
-        return _forward_chunk(x, ids, weights, experts, E, act, save)
+        return *_forward_chunk(x, ids, weights, experts, E, act, save), []
     y = x.new_empty(x.shape)
     preact = x.new_empty((T * K, width) if save else (0,))
     for t0, t1 in chunks:
         _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], experts, E, act, save, out=y[t0:t1],
                        preact_out=preact[t0 * K: t1 * K] if save else None)
-    return y, preact
+    return y, preact, []
 
 
 @_moe_ffn.register_fake
@@ -425,7 +430,12 @@ def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk
     h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
     width = (2 if act.gated else 1) * h
     n_pairs = ids.shape[0] * ids.shape[1]
-    return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,))
+    plan = []
+    if _use_triton(x):  # the real implementation's choice of path: the plan's shapes follow from T, K and E
+        E = int(layout[0])
+        n_tiles = reference.max_tiles(n_pairs, E, plan_block_m(x.device))
+        plan = [ids.new_empty((n,), dtype=torch.int32) for n in (E + 1, n_pairs, n_pairs, n_tiles, n_tiles)]
+    return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,)), plan
 
 
 def _groups(num_params: int, views: Sequence[RoleView | None], E: int) -> list[tuple[int, int]]:
@@ -487,18 +497,22 @@ def _moe_ffn_backward(
     params: list[Tensor],
     layout: list[int],
     preact: Tensor,
+    plan: list[Tensor],
     activation: str,
     chunk_tokens: int,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     act = parse_activation(activation)
     E, views = decode_layout(layout)
     T, K = ids.shape
+    if plan and (len(plan) != len(DispatchPlan._fields) or any(t.dtype != torch.int32 for t in plan)):
+        raise ValueError(f"moeblaze.moe_ffn_backward: plan must be the forward's {len(DispatchPlan._fields)} int32 "
+                         f"tensors (or [] to dispatch again); got {[(tuple(t.shape), t.dtype) for t in plan]}")
     grad_y = grad_y.contiguous()
     bufs = _grad_buffers(params, views, E)
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):
-        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, chunk_tokens)
-    chunks = _chunks(T, chunk_tokens)
+        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, plan, bufs, chunk_tokens)
+    chunks = _chunks(T, chunk_tokens)  # the PyTorch path: a plan per chunk, built again
     dx = x.new_empty(x.shape) if len(chunks) > 1 else None
     dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
     for i, (t0, t1) in enumerate(chunks):
@@ -513,8 +527,9 @@ def _moe_ffn_backward(
     return dx, dweights, list(bufs.values())
 
 
-def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, chunk_tokens):
-    """The Triton path: one plan, windows of chunk_tokens * K slots. Weight gradients are written through
+def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, plan, bufs, chunk_tokens):
+    """The Triton path: one plan (the forward's, or built again from ids when ``plan`` is empty), windows of
+    chunk_tokens * K slots. Weight gradients are written through
     tables straight into ``bufs``; over more than two windows, into float32 buffers first when those cost
     less than one window's transients (an expert spanning several windows is added to once per window:
     in float32 there, else in place in the parameters' dtype)."""
@@ -529,7 +544,7 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bu
                  for v in views[:3]]
     grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
         *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
-    plan = _make_plan(ids, E, plan_block_m(x.device))
+    plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device))
     dx, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
                                                grads=grad_tables, window_slots=window_slots)
     for v, g in zip(views[3:], dbias):
@@ -543,7 +558,7 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, bu
 
 
 @_moe_ffn_backward.register_fake
-def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, activation, chunk_tokens):
+def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, chunk_tokens):
     E, views = decode_layout(layout)
     grads = []
     for first, count in _groups(len(params), views, E):
@@ -555,21 +570,22 @@ def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, acti
 
 def _setup_context(ctx, inputs, output):
     x, ids, weights, params, layout, activation, _checkpoint, chunk_tokens = inputs
-    _y, preact = output
-    ctx.layout, ctx.activation, ctx.chunk_tokens = layout, activation, chunk_tokens
-    ctx.save_for_backward(x, ids, weights, preact, *params)
-    ctx.mark_non_differentiable(preact)
+    _y, preact, plan = output
+    ctx.layout, ctx.activation, ctx.chunk_tokens, ctx.plan_len = layout, activation, chunk_tokens, len(plan)
+    ctx.save_for_backward(x, ids, weights, preact, *plan, *params)
+    ctx.mark_non_differentiable(preact, *plan)
     # preact never gets a gradient: left to the default, autograd would hand backward a zero-filled [T*K, 2h]
     # for it (at config A of BENCHMARKS.md, 4.3 GB written in every backward, and held through it)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_y, _grad_preact):
-    x, ids, weights, preact, *params = ctx.saved_tensors
+def _backward(ctx, grad_y, _grad_preact, _grad_plan):
+    x, ids, weights, preact, *rest = ctx.saved_tensors
+    plan, params = rest[:ctx.plan_len], rest[ctx.plan_len:]
     if grad_y is None:  # y did not reach what is differentiated (gradients are not materialized: see above)
         grad_y = x.new_zeros(x.shape)
     dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
-        grad_y, x, ids, weights, params, ctx.layout, preact, ctx.activation, ctx.chunk_tokens)
+        grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.chunk_tokens)
     E, views = decode_layout(ctx.layout)
     dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
     for g, (_, count) in zip(grads, _groups(len(params), views, E)):

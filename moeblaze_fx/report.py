@@ -10,9 +10,9 @@ Reached through
 
 Saved-activation bytes: "before" is measured while the region is proven (``saved_tensors_hooks``
 over the original region at its traced sizes, distinct storages, parameters excluded); "after" is
-what the operator saves, from shapes: ``x`` (T·d), ``ids`` and ``weights`` (T·K each) and, under the
-``"activations"`` policy, the pre-activations (T·K·2h; T·K·h for a plain activation). The dispatch
-plan is rebuilt in backward, not saved.
+what the operator saves, from shapes: ``x`` (T·d), ``ids`` and ``weights`` (T·K each), on the Triton path
+(CUDA, 16-bit floats) the forward's dispatch plan (int32: 2·T·K plus E+1 offsets and two tile tables)
+and, under the ``"activations"`` policy, the pre-activations (T·K·2h; T·K·h for a plain activation).
 """
 from __future__ import annotations
 

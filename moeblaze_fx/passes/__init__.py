@@ -13,7 +13,8 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..config import MoEBlazeConfig
-from ..ops import default_chunk_tokens
+from ..kernels.reference import max_tiles
+from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import example_value, find_candidates, size_hint
@@ -114,12 +115,15 @@ def _order_of(err: float) -> float:
 
 
 def saved_bytes_after(T: int, d: int, h: int, K: int, itemsize: int, ids_itemsize: int, weights_itemsize: int,
-                      policy: str, gated: bool = True) -> int:
-    """What the operator saves for backward (the formula in report.py's docstring)."""
+                      policy: str, gated: bool = True, E: int = 0, plan_block_m: int | None = None) -> int:
+    """What the operator saves for backward (the formula in report.py's docstring); ``plan_block_m``: the row tile
+    of the dispatch plan the operator's Triton path saves (None: the PyTorch path, which saves none)."""
     n_pairs = T * K
     total = T * d * itemsize + n_pairs * (ids_itemsize + weights_itemsize)
     if policy == "activations":
         total += n_pairs * (2 if gated else 1) * h * itemsize
+    if plan_block_m is not None:  # int32 offsets [E+1], token index and slot [T*K], two tile tables
+        total += 4 * (E + 1 + 2 * n_pairs + 2 * max_tiles(n_pairs, E, plan_block_m))
     return total
 
 
@@ -222,9 +226,11 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
         rewrite(work, cand, ext, layout, act.spec, policy, chunk)
         record.status, record.policy = "rewritten", policy
+        x_val = example_value(ext.x)
         record.saved_bytes_after = saved_bytes_after(
             t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
-            example_value(ext.weights).element_size(), policy, act.gated,
+            example_value(ext.weights).element_size(), policy, act.gated, ext.E,
+            plan_block_m(x_val.device) if use_triton(x_val) else None,
         )
         rewritten += 1
     if not rewritten:

@@ -135,6 +135,91 @@ def test_memory_policy_saves_no_routed_copy(checkpoint, preact_saved):
     assert len([s for s in shapes if s in ((E, 2 * h, d), (E, d, h))]) == 2  # the parameters, not copies
 
 
+@pytest.fixture
+def triton_path(monkeypatch):
+    """The operator's Triton path on CPU tensors through Triton's interpreter (the GPU runs it for real); counts
+    the dispatch plans the operator builds."""
+    if torch.cuda.is_available():
+        pytest.skip("drives the Triton path on CPU tensors through the interpreter")
+    from moeblaze_fx import ops
+    from moeblaze_fx.kernels import expert_fwd
+
+    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+    monkeypatch.setattr(ops, "plan_block_m", lambda device: expert_fwd.plan_block_m())
+    plans = []
+    make_plan = ops._make_plan
+    monkeypatch.setattr(ops, "_make_plan", lambda *a: plans.append(a) or make_plan(*a))
+    return plans
+
+
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
+    """The forward's dispatch plan (the index structures) is saved and the backward dispatches nothing: one plan a
+    step; the saved bytes are x, ids, weights, the plan and, under "activations", the pre-activations."""
+    from moeblaze_fx.kernels import expert_fwd
+    from moeblaze_fx.kernels.reference import max_tiles
+    from moeblaze_fx.passes import saved_bytes_after
+
+    T, d, h, E, K = 40, 16, 24, 4, 2
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32, route=_with_sentinels)
+    y = []
+    saved = _saved(lambda: y.append(moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint)))
+    assert len(triton_path) == 1
+    n_tiles = max_tiles(T * K, E, expert_fwd.plan_block_m())
+    plan_shapes = [(E + 1,), (T * K,), (T * K,), (n_tiles,), (n_tiles,)]
+    assert sorted(s for s, dtype, _ in saved if dtype == torch.int32) == sorted(plan_shapes)
+    activation_bytes = sum(n for s, _, n in saved if s not in ((E, 2 * h, d), (E, d, h)))
+    expected = T * d * 4 + T * K * (8 + 4) + 4 * sum(n for (n,) in plan_shapes) + \
+        (T * K * 2 * h * 4 if checkpoint == "activations" else 0)
+    assert activation_bytes == expected
+    # the compile report's "after" column states the same bytes
+    assert saved_bytes_after(T, d, h, K, 4, 8, 4, checkpoint, True, E, expert_fwd.plan_block_m()) == expected
+    g = torch.randn(T, d, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(y[0], (x, w, wgu, wd), g)
+    assert len(triton_path) == 1  # the backward used the saved plan
+    want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, w, wgu, wd), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(triton_path):
+    x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32, route=_all_to_expert_zero)
+    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
+    assert len(plan) == 5 and all(t.dtype == torch.int32 for t in plan) and len(triton_path) == 1
+    g = torch.randn_like(y)
+    saved = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, plan, "swiglu", 0)
+    assert len(triton_path) == 1
+    again = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, [], "swiglu", 0)
+    assert len(triton_path) == 2
+    for a, b in zip((saved[0], saved[1], *saved[2]), (again[0], again[1], *again[2])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+def test_triton_path_opcheck(triton_path, checkpoint):
+    """The fake implementation's plan shapes (static in T, K and E) match the real ones."""
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default, (x, ids, w, params, layout, "swiglu", checkpoint, 0))
+
+
+def test_pytorch_path_returns_no_plan():
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    assert torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[2] == []
+
+
+@pytest.mark.parametrize("plan", [[torch.zeros(5, dtype=torch.int32)] * 4, [torch.zeros(5, dtype=torch.int64)] * 5],
+                         ids=["four-tensors", "int64"])
+def test_backward_refuses_a_malformed_plan(plan):
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    with pytest.raises(ValueError, match="plan must be the forward's 5 int32 tensors"):
+        torch.ops.moeblaze.moe_ffn_backward(torch.ones(10, 8), x.detach(), ids, w.detach(), params, layout,
+                                            torch.empty(0), plan, "swiglu", 0)
+
+
 class _ZeroFills(TorchDispatchMode):
     """Records the shapes of the zero-filled tensors the ops under it produce."""
 
