@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .launch import launch
 from .reference import DispatchPlan, dispatch_reference, max_tiles
 
 __all__ = ["DispatchConfig", "dispatch", "dispatch_forward", "default_config", "MAX_EXPERTS"]
@@ -389,17 +390,20 @@ def dispatch_forward(
     chunk_base = torch.empty((num_chunks + 1, E), dtype=i32, device=device)  # row num_chunks: totals
     contiguous = ids.is_contiguous()
 
-    _dispatch_histogram_kernel[(num_chunks,)](
+    launch(
+        _dispatch_histogram_kernel, (num_chunks,),
         ids, chunk_base, N, K, E, ids.stride(0), ids.stride(1), chunk_base.stride(0),
         CHUNK=chunk, BLOCK=min(chunk, 16 * 32 * config.num_warps), HIST_BINS=max(triton.next_power_of_2(E), 32),
         CONTIGUOUS=contiguous, num_warps=config.num_warps,
     )
-    _dispatch_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
+    launch(
+        _dispatch_scan_kernel, (triton.cdiv(E, _SCAN_BLOCK_E),),
         chunk_base, num_chunks, E, chunk_base.stride(0),
         BLOCK_C=config.scan_block_c, BLOCK_E=_SCAN_BLOCK_E, num_warps=4,
     )
     num_tile_programs = triton.cdiv(n_tiles, meta["TILES_PER_PROGRAM"])
-    _dispatch_scatter_kernel[(num_tile_programs + num_chunks,)](
+    launch(
+        _dispatch_scatter_kernel, (num_tile_programs + num_chunks,),
         ids, chunk_base, offsets, token_index, slot_of, tile_expert, tile_start,
         N, K, E, num_tile_programs, num_chunks, n_tiles, block_m,
         ids.stride(0), ids.stride(1), chunk_base.stride(0),

@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+from .launch import launch
+
 try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -325,7 +327,8 @@ def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out
     c_desc = GluonDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], _layout([BLOCK_M, BLOCK_N], out.dtype))
     num_n = -(-n_dim // BLOCK_N)
     grid = (min(_sm_count(a.device), window.num_tiles * num_n),)
-    _expert_down_sm90_kernel[grid](
+    launch(
+        _expert_down_sm90_kernel, grid,
         a_desc, *w.descs, c_desc, out, bias if bias is not None else out, window.tile0, plan.tile_expert,
         plan.tile_start, plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1,
         k_dim, n_dim, *w.e_rows, out.stride(0),

@@ -41,6 +41,7 @@ import torch
 
 from . import down_sm90
 from .down_sm90 import _GLUON
+from .launch import launch
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -350,7 +351,8 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
     c_desc, e_rows = store if store is not None else (out.ptrs, 0)
     num_m, num_n = -(-m_dim // TILE[0]), -(-n_dim // TILE[1])
     num_tiles = E * num_m * num_n
-    _expert_dw_sm90_kernel[(min(down_sm90._sm_count(tokens.device), num_tiles),)](
+    launch(
+        _expert_dw_sm90_kernel, (min(down_sm90._sm_count(tokens.device), num_tiles),),
         tokens, slots, b_desc, out.ptrs, c_desc, e_rows, plan.token_index, plan.offsets, num_tiles, num_m, num_n,
         m_dim, n_dim, K, slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, STORE_TMA=store is not None,

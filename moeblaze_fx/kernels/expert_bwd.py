@@ -72,6 +72,7 @@ from .expert_fwd import (
     tma_available,
     weight_tma_mode,
 )
+from .launch import launch
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable, table_of
 
@@ -632,7 +633,8 @@ def _bias_grad(src: Tensor, gather: bool, weights: Tensor | None, plan: Dispatch
     w = weights if weights is not None else src  # placeholder pointer, never read
     sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     grid = (E, triton.cdiv(n_dim, block_n))
-    _expert_bias_grad_kernel[grid](
+    launch(
+        _expert_bias_grad_kernel, grid,
         src, w, dot_bias if dot_bias is not None else src, out, part if part is not None else out,
         plan.token_index, plan.offsets, n_dim, K, slot0, slot1,
         src.stride(0), src.stride(1), *sw, part.stride(0) if part is not None else 0,

@@ -74,6 +74,7 @@ from torch import Tensor
 
 from . import autotune, down_sm90, gather_sm90
 from .autotune import plan_block_m
+from .launch import launch
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
 from .tables import ExpertTables, WeightTable
 
@@ -811,7 +812,8 @@ def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K:
     w = weights if weights is not None else y_slots  # placeholder pointer, never read
     sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
-    _expert_combine_kernel[grid](
+    launch(
+        _expert_combine_kernel, grid,
         y_slots, w, slot_of, out, T, d, K, slot0, slot1,
         y_slots.stride(0), y_slots.stride(1), *sw, out.stride(0), out.stride(1),
         HAS_WEIGHTS=weights is not None, ACCUMULATE=accumulate, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,

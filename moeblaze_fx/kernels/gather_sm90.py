@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from . import down_sm90, dw_sm90
+from .launch import launch
 from .down_sm90 import _GLUON
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
@@ -583,7 +584,8 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         epi_strides = (pre.stride(0), dpre.stride(0), part.stride(0), weights.stride(0), weights.stride(1))
     num_n = -(-n_dim // block_n)
     grid = (min(down_sm90._sm_count(a.device), window.num_tiles * num_n),)
-    kernel[grid](
+    launch(
+        kernel, grid,
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,

@@ -1,0 +1,158 @@
+"""Kernel launches without Triton's per-launch binding, once a launch's specialization is compiled.
+
+``kernel[grid](*args, **kwargs)`` spends 30-100 us of host time a launch in Triton 3.6 before the driver call: the
+binder specializes every argument, the cache key is built, the kernel's globals are checked, the launch metadata
+is made (H100, ``benchmarks/launch_profile.py``: 0.7 of the 1.3 ms that 14 launches take a layer step at
+config C). A step of a few milliseconds is then bound by its host.
+
+:func:`launch` does the first launch of a specialization through ``kernel[grid]`` and keeps the compiled kernel
+under a key of everything Triton's specialization reads: each constexpr's value (by position or keyword),
+each tensor's dtype and 16-byte alignment, each int's value being 1, divisible by 16 and its width, each descriptor's dtype, block, layout, padding and alignments, the
+keyword arguments (constexprs and options) and the device. A later launch with the same key calls the compiled
+kernel's launcher directly with the same arguments Triton would pass. The key holds more than Triton
+specializes on, never less: a miss only costs one ordinary launch.
+
+It is used where Triton 3.6 is installed, for launches with a tuple grid and no launch hook added to Triton's
+(empty) hook chains (a profiler's hook sees every launch through Triton's own path); anywhere else, and with
+``MOEBLAZE_FAST_LAUNCH=0``, it is ``kernel[grid](*args, **kwargs)``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+__all__ = ["ENV_VAR", "enabled", "launch", "stats"]
+
+ENV_VAR = "MOEBLAZE_FAST_LAUNCH"
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# the launcher's calling convention and the compiled kernel's attributes relied on here are Triton 3.6's
+_SUPPORTED = triton.__version__.startswith("3.6.") and not _interpreted()
+_CACHE: dict = {}
+_CONSTEXPRS: dict = {}
+_STATS = {"fast": 0, "slow": 0}
+
+try:  # pragma: no cover - depends on the Triton build
+    from triton import knobs as _knobs
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+    from triton.runtime.autotuner import Heuristics as _Heuristics
+    from triton.runtime.jit import JITFunction as _JITFunction
+except ImportError:  # pragma: no cover
+    _knobs = _GluonDescriptor = _Heuristics = _JITFunction = None
+    _SUPPORTED = False
+
+
+class _Unkeyed(Exception):
+    """An argument of a kind this module does not key: the launch takes Triton's own path."""
+
+
+def enabled() -> bool:
+    return _SUPPORTED and os.environ.get(ENV_VAR, "1") != "0"
+
+
+def stats() -> dict:
+    """Launches so far through the compiled kernel's launcher ("fast") and through ``kernel[grid]`` ("slow")."""
+    return dict(_STATS)
+
+
+def _arg_key(a):
+    """What Triton's specialization of a runtime argument may depend on (more is harmless, less is not)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    t = type(a)
+    if t is int:
+        return int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, -2**63 <= a < 2**63
+    if t is bool or a is None:
+        return t, a
+    if t is float:
+        return float
+    if _GluonDescriptor is not None and t is _GluonDescriptor:
+        return (t, a.base.dtype, tuple(a.block_shape), a.layout, a.padding, a.base.data_ptr() % 16 == 0,
+                tuple(s % 16 == 0 for s in a.shape), tuple(s % 16 == 0 for s in a.strides))
+    raise _Unkeyed(t)
+
+
+def _constexpr_flags(kernel) -> tuple:
+    """Which of the kernel's parameters are constexprs (a constexpr passed by position is keyed by its value)."""
+    flags = _CONSTEXPRS.get(kernel)
+    if flags is None:
+        flags = _CONSTEXPRS[kernel] = tuple(bool(p.is_constexpr) for p in kernel.params)
+    return flags
+
+
+def _key(kernel, args, kwargs):
+    try:
+        args_key = tuple(a if constexpr else _arg_key(a) for a, constexpr in zip(args, _constexpr_flags(kernel)))
+        return kernel, torch.cuda.current_device(), args_key, tuple(kwargs.items())
+    except _Unkeyed:
+        return None
+
+
+def _remaining_args(kernel, n_positional: int, kwargs: dict) -> tuple:
+    """The kernel's parameters after the positional ones, in signature order, as Triton binds them (a keyword
+    argument, else the default); options such as num_warps are not parameters."""
+    out = []
+    for p in kernel.params[n_positional:]:
+        name = p.name
+        if name in kwargs:
+            out.append(kwargs[name])
+        elif p.has_default:
+            out.append(p.default)
+        else:
+            raise _Unkeyed(name)
+    return tuple(out)
+
+
+def _resolve(kernel, args, kwargs: dict):
+    """The JIT function Triton launches for ``kernel[grid](*args, **kwargs)`` and the keyword arguments it gets:
+    ``triton.heuristics`` values computed as Triton 3.6's ``Heuristics.run`` computes them (into ``kwargs``).
+    None for anything else (an autotuner)."""
+    while _Heuristics is not None and isinstance(kernel, _Heuristics):
+        for name, heuristic in kernel.values.items():
+            kwargs[name] = heuristic({**dict(zip(kernel.arg_names, args)), **kwargs})
+        kernel = kernel.fn
+    return kernel if _JITFunction is not None and isinstance(kernel, _JITFunction) else None
+
+
+def _active(hook) -> bool:
+    """Whether a launch hook would run: Triton 3.6 keeps a chain of hooks, empty until one is added."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` (a ``triton.jit`` or ``gluon.jit`` function, a tuple grid), without
+    Triton's binding once this specialization has been launched before (see the module doc)."""
+    runtime = _knobs.runtime if _knobs is not None else None
+    resolved = dict(kwargs)  # with the heuristics' values: they are keyed like any constexpr
+    if not enabled() or type(grid) is not tuple or _active(runtime.launch_enter_hook) \
+            or _active(runtime.launch_exit_hook) or (jitted := _resolve(kernel, args, resolved)) is None:
+        _STATS["slow"] += 1
+        kernel[grid](*args, **kwargs)
+        return
+    kernel, kwargs = jitted, resolved
+    key = _key(kernel, args, kwargs)
+    try:
+        entry = _CACHE.get(key) if key is not None else None
+    except TypeError:  # an unhashable keyword argument
+        key = entry = None
+    if entry is None:
+        _STATS["slow"] += 1
+        compiled = kernel[grid](*args, **kwargs)
+        if key is not None and hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None):
+            try:
+                _CACHE[key] = (compiled, _remaining_args(kernel, len(args), kwargs))
+            except _Unkeyed:
+                pass
+        return
+    compiled, rest = entry
+    _STATS["fast"] += 1
+    device = key[1]
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata, None,
+                 None, None, *args, *rest)  # no launch metadata, no hooks: none would run

@@ -1,0 +1,198 @@
+"""kernels.launch: a launch goes through the compiled kernel's launcher only when everything Triton specializes on
+matches an earlier launch, with the arguments Triton would pass; anything else takes ``kernel[grid]``. Driven here
+with a stand-in kernel (the GPU's cuda tests run the real kernels through it)."""
+import inspect
+import types
+
+import pytest
+import torch
+
+from moeblaze_fx.kernels import launch as L
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+        self.is_constexpr = name.isupper()  # the stand-in's convention: constexprs are upper case
+
+    @property
+    def has_default(self):
+        return self.default is not inspect.Parameter.empty
+
+
+class _Compiled:
+    def __init__(self, calls):
+        self.packed_metadata, self.function, self.calls = ("warps", 1, 0), "fn-handle", calls
+
+    def run(self, *a):
+        self.calls.append(("fast", a))
+
+
+class _Kernel:
+    """``kernel[grid](*args, **kwargs)`` records a slow launch and returns one compiled kernel per call."""
+
+    def __init__(self, names, defaults):
+        self.params = [_Param(n, defaults.get(n, inspect.Parameter.empty)) for n in names]
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("slow", grid, args, kwargs))
+            return _Compiled(self.calls)
+        return run
+
+
+class _Heuristics:
+    """``triton.heuristics``: constexprs computed from the arguments at each launch."""
+
+    def __init__(self, fn, values):
+        self.fn, self.values, self.arg_names = fn, values, [p.name for p in fn.params]
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            for name, heuristic in self.values.items():
+                kwargs[name] = heuristic({**dict(zip(self.arg_names, args)), **kwargs})
+            return self.fn[grid](*args, **kwargs)
+        return run
+
+
+class _Chain:
+    def __init__(self, *calls):
+        self.calls = list(calls)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(L, "_SUPPORTED", True)
+    monkeypatch.setattr(L, "_CACHE", {})
+    monkeypatch.setattr(L, "_CONSTEXPRS", {})
+    monkeypatch.setattr(L, "_knobs", types.SimpleNamespace(  # Triton 3.6's empty hook chains
+        runtime=types.SimpleNamespace(launch_enter_hook=_Chain(), launch_exit_hook=_Chain())))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.delenv(L.ENV_VAR, raising=False)
+    monkeypatch.setattr(L, "_JITFunction", _Kernel)
+    monkeypatch.setattr(L, "_Heuristics", _Heuristics)
+    return _Kernel(["x", "n", "flag", "BLOCK", "EXTRA"], {"EXTRA": 5})
+
+
+def _kinds(kernel):
+    return [c[0] for c in kernel.calls]
+
+
+def test_second_launch_goes_to_the_launcher_with_triton_s_arguments(fast):
+    x = torch.zeros(64)
+    L.launch(fast, (3, 2), x, 17, True, BLOCK=64, num_warps=4)
+    L.launch(fast, (3, 2), x, 18, True, BLOCK=64, num_warps=4)  # 17 and 18: neither 1 nor a multiple of 16
+    assert _kinds(fast) == ["slow", "fast"]
+    # grid padded to 3 dims, stream, handle, packed metadata, no launch metadata, hooks, the positional arguments,
+    # then the remaining parameters in signature order (keyword, else default); num_warps is an option
+    assert fast.calls[1][1] == (3, 2, 1, 77, "fn-handle", ("warps", 1, 0), None, None, None, x, 18, True, 64, 5)
+
+
+@pytest.mark.parametrize("change", [
+    lambda a: dict(a, n=1),  # Triton specializes an int equal to 1
+    lambda a: dict(a, n=32),  # ... and one divisible by 16
+    lambda a: dict(a, n=2**40),  # ... and its width
+    lambda a: dict(a, x=torch.zeros(65)[1:]),  # a pointer's 16-byte alignment (4 bytes off)
+    lambda a: dict(a, x=torch.zeros(64, dtype=torch.float16)),  # its dtype
+    lambda a: dict(a, flag=False),
+    lambda a: dict(a, BLOCK=128),  # a constexpr
+    lambda a: dict(a, num_warps=8),  # an option
+], ids=["int-1", "int-div16", "int-wide", "misaligned", "dtype", "bool", "constexpr", "option"])
+def test_any_change_triton_specializes_on_misses(fast, change):
+    base = dict(x=torch.zeros(64), n=17, flag=True, BLOCK=64, num_warps=4)
+    for a in (base, change(base)):
+        L.launch(fast, (1,), a["x"], a["n"], a["flag"], BLOCK=a["BLOCK"], num_warps=a["num_warps"])
+    assert _kinds(fast) == ["slow", "slow"]
+
+
+def test_unkeyed_arguments_hooks_and_the_switch_take_triton_s_path(fast, monkeypatch):
+    L.launch(fast, (1,), [1, 2], 17, True, BLOCK=64)  # a list is not keyed
+    L.launch(fast, (1,), [1, 2], 17, True, BLOCK=64)
+    L.launch(fast, lambda meta: (1,), torch.zeros(4), 17, True, BLOCK=64)  # a callable grid
+    L.launch(fast, lambda meta: (1,), torch.zeros(4), 17, True, BLOCK=64)
+    assert _kinds(fast) == ["slow"] * 4
+    L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    for hook in ("launch_enter_hook", "launch_exit_hook"):  # a profiler's hook added to either chain
+        monkeypatch.setattr(L._knobs.runtime, hook, _Chain(lambda metadata: None))
+        L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+        monkeypatch.setattr(L._knobs.runtime, hook, _Chain())
+    monkeypatch.setenv(L.ENV_VAR, "0")
+    L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    assert _kinds(fast) == ["slow"] * 8
+    monkeypatch.delenv(L.ENV_VAR)
+    L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    assert _kinds(fast) == ["slow"] * 8 + ["fast"]
+
+
+def test_a_constexpr_passed_by_position_is_keyed_by_value(fast):
+    for block in (2, 8, 8):  # as ints, 2 and 8 would share a key (neither 1 nor a multiple of 16)
+        L.launch(fast, (1,), torch.zeros(4), 17, True, block)
+    assert _kinds(fast) == ["slow", "slow", "fast"]
+    assert fast.calls[2][1][-3:] == (True, 8, 5)
+
+
+def test_heuristics_values_are_keyed(fast):
+    """A ``triton.heuristics`` value depends on arguments beyond what Triton specializes on (here n % 64): it is
+    computed at each launch and keyed, so 64 and 80 (both multiples of 16) get different kernels."""
+    wrapped = _Heuristics(fast, {"BLOCK": lambda a: 64 if a["n"] % 64 == 0 else 32})
+    for n in (64, 128, 80):
+        L.launch(wrapped, (1,), torch.zeros(4), n, True)
+    assert _kinds(fast) == ["slow", "fast", "slow"]
+    assert fast.calls[0][3] == {"BLOCK": 64} and fast.calls[1][1][-2:] == (64, 5)
+    assert fast.calls[2][3] == {"BLOCK": 32}
+
+
+def test_an_autotuner_is_left_to_triton(fast):
+    tuned = type("Autotuner", (), {"__getitem__": lambda self, grid: fast[grid]})()
+    for _ in range(2):
+        L.launch(tuned, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    assert _kinds(fast) == ["slow", "slow"]
+
+
+def test_a_missing_parameter_is_left_to_triton(fast):
+    for _ in range(2):  # BLOCK has no default and is not given: Triton raises, and nothing is cached here
+        L.launch(fast, (1,), torch.zeros(4), 17, True)
+    assert _kinds(fast) == ["slow", "slow"]
+
+
+def test_off_where_triton_is_not_3_6_or_interpreted():
+    import triton
+
+    assert L.enabled() == (triton.__version__.startswith("3.6.") and not L._interpreted())
+
+
+@pytest.mark.cuda
+def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
+    """The operator's launches (dispatch, up, down, combine, dh, dW) take the launcher from the second step on,
+    and a step gives bit for bit what Triton's own path gives."""
+    import triton
+
+    from moeblaze_fx import moe_ffn
+
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the launcher's calling convention is Triton 3.6's; this is {triton.__version__}")
+    g = torch.Generator().manual_seed(0)
+    T, d, h, E, K = 1000, 256, 192, 8, 2
+    x = torch.randn(T, d, generator=g).cuda().bfloat16().requires_grad_()
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].cuda()
+    w = torch.rand(T, K, generator=g).cuda().bfloat16().requires_grad_()
+    wgu = (torch.randn(E, 2 * h, d, generator=g) / d**0.5).cuda().bfloat16().requires_grad_()
+    wd = (torch.randn(E, d, h, generator=g) / h**0.5).cuda().bfloat16().requires_grad_()
+    dy = torch.randn(T, d, generator=g).cuda().bfloat16()
+
+    def step():
+        y = moe_ffn(x, ids, w, (wgu, wd))
+        return (y, *torch.autograd.grad(y, (x, w, wgu, wd), dy))
+
+    first = step()
+    before = L.stats()
+    second = step()
+    after = L.stats()
+    assert after["fast"] > before["fast"] and after["slow"] == before["slow"]  # every launch hit
+    monkeypatch.setenv(L.ENV_VAR, "0")
+    off = step()
+    assert L.stats()["fast"] == after["fast"]
+    for a, b, c in zip(first, second, off):
+        assert torch.equal(a, b) and torch.equal(a, c)
