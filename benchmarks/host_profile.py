@@ -91,6 +91,15 @@ def install_timers(stats: dict):
     for module, attr in TIMED:
         patch(importlib.import_module(module), attr, f"{module.rsplit('.', 1)[-1]}.{attr}")
     patch(jit.JITFunction, "run", "triton JITFunction.run")
+    # inside JITFunction.run: the cache key, the launcher (C argument packing, the launch) and, within the
+    # launcher, the tensor map encoded per descriptor argument; the rest of run is the binder's
+    patch(jit, "compute_cache_key", "triton compute_cache_key")
+    try:
+        from triton.backends.nvidia import driver as nv_driver
+        patch(nv_driver.CudaLauncher, "__call__", "triton CudaLauncher.__call__")
+        patch(nv_driver, "make_tensordesc_arg", "triton make_tensordesc_arg")
+    except (ImportError, KeyError, AttributeError):
+        pass
     try:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         patch(TensorDescriptor, "from_tensor", "gluon TensorDescriptor.from_tensor")
