@@ -431,7 +431,10 @@ def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk
     width = (2 if act.gated else 1) * h
     n_pairs = ids.shape[0] * ids.shape[1]
     plan = []
-    if _use_triton(x):  # the real implementation's choice of path: the plan's shapes follow from T, K and E
+    # the real implementation's choice of path; the plan's shapes follow from T, K, E and the row tile, which the
+    # real implementation reads the same way (a pinned kernel config changed between tracing and running would
+    # change the tile: the plan would then not match its traced shapes)
+    if _use_triton(x):
         E = int(layout[0])
         n_tiles = reference.max_tiles(n_pairs, E, plan_block_m(x.device))
         plan = [ids.new_empty((n,), dtype=torch.int32) for n in (E + 1, n_pairs, n_pairs, n_tiles, n_tiles)]

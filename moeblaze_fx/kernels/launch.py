@@ -7,10 +7,13 @@ config C). A step of a few milliseconds is then bound by its host.
 
 :func:`launch` does the first launch of a specialization through ``kernel[grid]`` and keeps the compiled kernel
 under a key of everything Triton's specialization reads: each constexpr's value (by position or keyword),
-each tensor's dtype and 16-byte alignment, each int's value being 1, divisible by 16 and its width, each descriptor's dtype, block, layout, padding and alignments, the
-keyword arguments (constexprs and options) and the device. A later launch with the same key calls the compiled
-kernel's launcher directly with the same arguments Triton would pass. The key holds more than Triton
-specializes on, never less: a miss only costs one ordinary launch.
+each tensor's dtype and 16-byte alignment, each int's value being 1, divisible by 16 and its width, each
+descriptor's dtype, block, layout, padding and alignments, the keyword arguments (constexprs, the values of
+``triton.heuristics``, options) and the device. A later launch with the same key calls the compiled kernel's
+launcher directly with the same arguments Triton would pass. The key holds more than Triton specializes on,
+never less: a miss only costs one ordinary launch. One of Triton's per-launch checks is not repeated on a hit:
+that the globals a kernel read when compiled are unchanged (the kernels here read only constants). A kernel
+with a pre-run hook, and a runtime argument passed by keyword, take Triton's path.
 
 It is used where Triton 3.6 is installed, for launches with a tuple grid and no launch hook added to Triton's
 (empty) hook chains (a profiler's hook sees every launch through Triton's own path); anywhere else, and with
@@ -79,19 +82,26 @@ def _arg_key(a):
 
 
 def _constexpr_flags(kernel) -> tuple:
-    """Which of the kernel's parameters are constexprs (a constexpr passed by position is keyed by its value)."""
+    """Which of the kernel's parameters are constexprs (a constexpr passed by position is keyed by its value), and
+    the names of the others (one of those passed by keyword is not keyed: Triton's path takes it)."""
     flags = _CONSTEXPRS.get(kernel)
     if flags is None:
-        flags = _CONSTEXPRS[kernel] = tuple(bool(p.is_constexpr) for p in kernel.params)
+        flags = _CONSTEXPRS[kernel] = (tuple(bool(p.is_constexpr) for p in kernel.params),
+                                       frozenset(p.name for p in kernel.params if not p.is_constexpr))
     return flags
 
 
 def _key(kernel, args, kwargs):
+    positional, runtime_names = _constexpr_flags(kernel)
+    if not runtime_names.isdisjoint(kwargs) or getattr(kernel, "pre_run_hooks", None):
+        return None
     try:
-        args_key = tuple(a if constexpr else _arg_key(a) for a, constexpr in zip(args, _constexpr_flags(kernel)))
-        return kernel, torch.cuda.current_device(), args_key, tuple(kwargs.items())
+        args_key = tuple(a if constexpr else _arg_key(a) for a, constexpr in zip(args, positional))
     except _Unkeyed:
         return None
+    # Triton's own options from its knobs: a kernel compiled without device asserts is not reused with them
+    options = (_knobs.runtime.debug, _knobs.compilation.instrumentation_mode)
+    return kernel, torch.cuda.current_device(), args_key, tuple(kwargs.items()), options
 
 
 def _remaining_args(kernel, n_positional: int, kwargs: dict) -> tuple:

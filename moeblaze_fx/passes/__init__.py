@@ -115,15 +115,17 @@ def _order_of(err: float) -> float:
 
 
 def saved_bytes_after(T: int, d: int, h: int, K: int, itemsize: int, ids_itemsize: int, weights_itemsize: int,
-                      policy: str, gated: bool = True, E: int = 0, plan_block_m: int | None = None) -> int:
-    """What the operator saves for backward (the formula in report.py's docstring); ``plan_block_m``: the row tile
-    of the dispatch plan the operator's Triton path saves (None: the PyTorch path, which saves none)."""
+                      policy: str, gated: bool = True, E: int = 0, block_m: int | None = None) -> int:
+    """What the operator saves for backward (the formula in report.py's docstring); ``block_m``: the row tile of
+    the dispatch plan the operator's Triton path saves for E experts (None: the PyTorch path, which saves none)."""
     n_pairs = T * K
     total = T * d * itemsize + n_pairs * (ids_itemsize + weights_itemsize)
     if policy == "activations":
         total += n_pairs * (2 if gated else 1) * h * itemsize
-    if plan_block_m is not None:  # int32 offsets [E+1], token index and slot [T*K], two tile tables
-        total += 4 * (E + 1 + 2 * n_pairs + 2 * max_tiles(n_pairs, E, plan_block_m))
+    if block_m is not None:  # int32 offsets [E+1], token index and slot [T*K], two tile tables
+        if E < 1:
+            raise ValueError(f"saved_bytes_after: the plan's size needs the number of experts, got E = {E}")
+        total += 4 * (E + 1 + 2 * n_pairs + 2 * max_tiles(n_pairs, E, block_m))
     return total
 
 

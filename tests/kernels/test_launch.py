@@ -67,7 +67,8 @@ def fast(monkeypatch):
     monkeypatch.setattr(L, "_CACHE", {})
     monkeypatch.setattr(L, "_CONSTEXPRS", {})
     monkeypatch.setattr(L, "_knobs", types.SimpleNamespace(  # Triton 3.6's empty hook chains
-        runtime=types.SimpleNamespace(launch_enter_hook=_Chain(), launch_exit_hook=_Chain())))
+        runtime=types.SimpleNamespace(launch_enter_hook=_Chain(), launch_exit_hook=_Chain(), debug=False),
+        compilation=types.SimpleNamespace(instrumentation_mode="")))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     monkeypatch.delenv(L.ENV_VAR, raising=False)
@@ -151,6 +152,19 @@ def test_an_autotuner_is_left_to_triton(fast):
     assert _kinds(fast) == ["slow", "slow"]
 
 
+def test_runtime_keywords_pre_run_hooks_and_triton_s_debug_are_not_reused(fast, monkeypatch):
+    for _ in range(2):  # a runtime argument by keyword
+        L.launch(fast, (1,), torch.zeros(4), 17, BLOCK=64, flag=True)
+    assert _kinds(fast) == ["slow", "slow"]
+    L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    monkeypatch.setattr(L._knobs.runtime, "debug", True)  # TRITON_DEBUG: kernels with device asserts
+    L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    monkeypatch.setattr(L._knobs.runtime, "debug", False)
+    fast.pre_run_hooks = [lambda *a, **k: None]
+    L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    assert _kinds(fast) == ["slow"] * 5
+
+
 def test_a_missing_parameter_is_left_to_triton(fast):
     for _ in range(2):  # BLOCK has no default and is not given: Triton raises, and nothing is cached here
         L.launch(fast, (1,), torch.zeros(4), 17, True)
@@ -166,33 +180,45 @@ def test_off_where_triton_is_not_3_6_or_interpreted():
 @pytest.mark.cuda
 def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
     """The operator's launches (dispatch, up, down, combine, dh, dW) take the launcher from the second step on,
-    and a step gives bit for bit what Triton's own path gives."""
+    and steps of other sizes (T not a multiple of 16, T = 1), whose specializations may differ, give bit for bit
+    what Triton's own path gives."""
     import triton
 
     from moeblaze_fx import moe_ffn
 
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"the launcher's calling convention is Triton 3.6's; this is {triton.__version__}")
+    d, h, E, K = 256, 192, 8, 2
     g = torch.Generator().manual_seed(0)
-    T, d, h, E, K = 1000, 256, 192, 8, 2
-    x = torch.randn(T, d, generator=g).cuda().bfloat16().requires_grad_()
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].cuda()
-    w = torch.rand(T, K, generator=g).cuda().bfloat16().requires_grad_()
     wgu = (torch.randn(E, 2 * h, d, generator=g) / d**0.5).cuda().bfloat16().requires_grad_()
     wd = (torch.randn(E, d, h, generator=g) / h**0.5).cuda().bfloat16().requires_grad_()
-    dy = torch.randn(T, d, generator=g).cuda().bfloat16()
 
-    def step():
+    def inputs(T):
+        x = torch.randn(T, d, generator=g).cuda().bfloat16().requires_grad_()
+        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].cuda()
+        w = torch.rand(T, K, generator=g).cuda().bfloat16().requires_grad_()
+        return x, ids, w, torch.randn(T, d, generator=g).cuda().bfloat16()
+
+    def step(x, ids, w, dy):
         y = moe_ffn(x, ids, w, (wgu, wd))
         return (y, *torch.autograd.grad(y, (x, w, wgu, wd), dy))
 
-    first = step()
+    first_inputs = inputs(1000)
+    first = step(*first_inputs)
     before = L.stats()
-    second = step()
+    second = step(*first_inputs)
     after = L.stats()
     assert after["fast"] > before["fast"] and after["slow"] == before["slow"]  # every launch hit
-    monkeypatch.setenv(L.ENV_VAR, "0")
-    off = step()
-    assert L.stats()["fast"] == after["fast"]
-    for a, b, c in zip(first, second, off):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for T in (1001, 1008, 1, 1000):
+        case = inputs(T)
+        monkeypatch.setenv(L.ENV_VAR, "1")
+        step(*case)  # compiles what this size needs
+        fast = step(*case)
+        monkeypatch.setenv(L.ENV_VAR, "0")
+        count = L.stats()["fast"]
+        off = step(*case)
+        assert L.stats()["fast"] == count
+        for a, b in zip(fast, off):
+            assert torch.equal(a, b), T
+    assert L.stats()["fast"] > after["fast"]

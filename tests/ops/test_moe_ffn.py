@@ -128,8 +128,8 @@ def test_memory_policy_saves_no_routed_copy(checkpoint, preact_saved):
     assert (T * K, d) not in shapes  # never the routed [T*K, d] copy of the tokens
     assert ((T * K, 2 * h) in shapes) == preact_saved
     activation_bytes = sum(n for s, _, n in saved if s not in ((E, 2 * h, d), (E, d, h)))
-    # x, the int64 ids, the weights and, under "activations", the pre-activations; the dispatch plan is
-    # rebuilt in backward
+    # x, the int64 ids, the weights and, under "activations", the pre-activations; the PyTorch path (here)
+    # rebuilds its dispatch plans in backward
     expected = T * d * 4 + T * K * (8 + 4) + (T * K * 2 * h * 4 if preact_saved else 0)
     assert activation_bytes == expected
     assert len([s for s in shapes if s in ((E, 2 * h, d), (E, d, h))]) == 2  # the parameters, not copies
