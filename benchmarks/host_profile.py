@@ -159,6 +159,22 @@ def blocked(layer, inputs, steps: int, first: int, cycles_per_ms: float, profile
     return statistics.median(host), statistics.median(fwd), start.elapsed_time(end) / steps
 
 
+def shapes_of(configs: str, shapes: list[str]) -> list:
+    """The layer shapes of ``--configs`` (names in CONFIGS, comma-separated) and ``--shape`` (T,d,h,E,K each)."""
+    return [CONFIGS[c] for c in configs.split(",") if c] + [parse_config(s) for s in shapes]
+
+
+def warm_layer(cfg, provider: str, dev: torch.device):
+    """(inputs, layer) of ``provider`` at ``cfg`` in bfloat16, after three untimed steps (compilation,
+    autotuning)."""
+    inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
+    layer, _ = PROVIDERS[provider].build(dev, torch.bfloat16)
+    for i in range(3):
+        _grads(layer, inputs, i)
+    torch.cuda.synchronize()
+    return inputs, layer
+
+
 def kernel_count(layer, inputs) -> int:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -181,15 +197,10 @@ def main() -> int:
     dev = torch.device("cuda")
     cycles_per_ms = sleep_cycles_per_ms()
     rows = []
-    shapes = [CONFIGS[c] for c in args.configs.split(",") if c] + [parse_config(s) for s in args.shape]
-    for cfg in shapes:
+    for cfg in shapes_of(args.configs, args.shape):
         cfg_name = cfg.name
         for name in args.providers.split(","):
-            inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
-            layer, _ = PROVIDERS[name].build(dev, torch.bfloat16)
-            for i in range(3):
-                _grads(layer, inputs, i)
-            torch.cuda.synchronize()
+            inputs, layer = warm_layer(cfg, name, dev)
             eager = statistics.median(cuda_step_times(lambda i: _grads(layer, inputs, i), dev, 10, 3))
             host, fwd, device = blocked(layer, inputs, args.steps, 3, cycles_per_ms)
             prof = cProfile.Profile()

@@ -19,9 +19,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_profile import blocked, sleep_cycles_per_ms  # noqa: E402
+from host_profile import blocked, shapes_of, sleep_cycles_per_ms, warm_layer  # noqa: E402
 
-from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, _grads, free_memory, make_inputs, parse_config  # noqa: E402
+from moeblaze_fx.bench.layer import free_memory  # noqa: E402
 from moeblaze_fx.kernels import launch  # noqa: E402
 
 
@@ -38,12 +38,8 @@ def main() -> int:
     dev = torch.device("cuda")
     cycles_per_ms = sleep_cycles_per_ms()
     out = {}
-    for cfg in [CONFIGS[c] for c in args.configs.split(",") if c] + [parse_config(s) for s in args.shape]:
-        inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
-        layer, _ = PROVIDERS[args.provider].build(dev, torch.bfloat16)
-        for i in range(3):
-            _grads(layer, inputs, i)
-        torch.cuda.synchronize()
+    for cfg in shapes_of(args.configs, args.shape):
+        inputs, layer = warm_layer(cfg, args.provider, dev)
         host = {"0": [], "1": []}
         device = []
         for r in range(args.rounds):

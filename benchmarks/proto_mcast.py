@@ -142,15 +142,9 @@ def _grouped(t, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_half, ready, empty, num_pm, num_n, k_dim,
-              CLUSTER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BNL: gl.constexpr = b_desc.block_type.shape[0]  # rows of B this CTA loads
-    NB: gl.constexpr = 2 if CLUSTER else 1
-    BYTES: gl.constexpr = a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+def _schedule(CLUSTER: gl.constexpr):
+    """(rank in the cluster, first tile pair, step) of this program: clusters of 2 share a pair of row tiles."""
     if CLUSTER:
-        _cluster_sync()  # every peer's mbarriers are initialized
         rank = _cluster_rank()
         if gl.num_ctas() == 2:  # compiled with num_ctas=2: program_id is %clusterid.x
             first = gl.program_id(0)
@@ -162,6 +156,20 @@ def _producer(a_desc, b_desc, a_bufs, b_half, ready, empty, num_pm, num_n, k_dim
         rank = 0
         first = gl.program_id(0)
         step = gl.num_programs(0)
+    return rank, first, step
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_half, ready, empty, num_pm, num_n, k_dim,
+              CLUSTER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BNL: gl.constexpr = b_desc.block_type.shape[0]  # rows of B this CTA loads
+    NB: gl.constexpr = 2 if CLUSTER else 1
+    BYTES: gl.constexpr = a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+    if CLUSTER:
+        _cluster_sync()  # every peer's mbarriers are initialized
+    rank, first, step = _schedule(CLUSTER)
     n_k = gl.cdiv(k_dim, BK)
     g = 0
     for t in range(first, num_pm * num_n, step):
@@ -192,17 +200,7 @@ def _consumer(a_bufs, b_bufs, c_smem, ready, empty, c_desc, num_pm, num_n, k_dim
     mma: gl.constexpr = ACC_LAYOUT
     if CLUSTER:
         _cluster_sync()
-        rank = _cluster_rank()
-        if gl.num_ctas() == 2:  # compiled with num_ctas=2: program_id is %clusterid.x
-            first = gl.program_id(0)
-            step = gl.num_programs(0)
-        else:  # compiled with num_ctas=1, launched as clusters of 2: program_id is %ctaid.x
-            first = gl.program_id(0) // 2
-            step = gl.num_programs(0) // 2
-    else:
-        rank = 0
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
+    rank, first, step = _schedule(CLUSTER)
     n_k = gl.cdiv(k_dim, BK)
     g = 0
     for t in range(first, num_pm * num_n, step):

@@ -38,7 +38,7 @@ def _interpreted() -> bool:
 # the launcher's calling convention and the compiled kernel's attributes relied on here are Triton 3.6's
 _SUPPORTED = triton.__version__.startswith("3.6.") and not _interpreted()
 _CACHE: dict = {}
-_CONSTEXPRS: dict = {}
+_PARAM_KINDS: dict = {}
 _STATS = {"fast": 0, "slow": 0}
 
 try:  # pragma: no cover - depends on the Triton build
@@ -81,18 +81,18 @@ def _arg_key(a):
     raise _Unkeyed(t)
 
 
-def _constexpr_flags(kernel) -> tuple:
+def _param_kinds(kernel) -> tuple:
     """Which of the kernel's parameters are constexprs (a constexpr passed by position is keyed by its value), and
     the names of the others (one of those passed by keyword is not keyed: Triton's path takes it)."""
-    flags = _CONSTEXPRS.get(kernel)
+    flags = _PARAM_KINDS.get(kernel)
     if flags is None:
-        flags = _CONSTEXPRS[kernel] = (tuple(bool(p.is_constexpr) for p in kernel.params),
+        flags = _PARAM_KINDS[kernel] = (tuple(bool(p.is_constexpr) for p in kernel.params),
                                        frozenset(p.name for p in kernel.params if not p.is_constexpr))
     return flags
 
 
 def _key(kernel, args, kwargs):
-    positional, runtime_names = _constexpr_flags(kernel)
+    positional, runtime_names = _param_kinds(kernel)
     if not runtime_names.isdisjoint(kwargs) or getattr(kernel, "pre_run_hooks", None):
         return None
     try:

@@ -65,7 +65,7 @@ class _Chain:
 def fast(monkeypatch):
     monkeypatch.setattr(L, "_SUPPORTED", True)
     monkeypatch.setattr(L, "_CACHE", {})
-    monkeypatch.setattr(L, "_CONSTEXPRS", {})
+    monkeypatch.setattr(L, "_PARAM_KINDS", {})
     monkeypatch.setattr(L, "_knobs", types.SimpleNamespace(  # Triton 3.6's empty hook chains
         runtime=types.SimpleNamespace(launch_enter_hook=_Chain(), launch_exit_hook=_Chain(), debug=False),
         compilation=types.SimpleNamespace(instrumentation_mode="")))
