@@ -1,0 +1,137 @@
+"""torch's compile caches and the operators: a cache entry made by other code of this package, or under other trace
+settings, must not be replayed (backend.cache_key_tag)."""
+import pytest
+import torch
+import torch.fx as fx
+from helpers import run_eager_and_compiled
+from test_loop import ModuleListMoE, TopKPooling
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
+
+from moeblaze_fx import backend, ops
+
+
+def _compile_step(model, x) -> tuple[dict, dict]:
+    """One compile (through Inductor) and step, checked against eager: the AOTAutograd and FX-graph cache counters."""
+    torch._dynamo.reset()
+    assert run_eager_and_compiled(model, (x,), options={}) == {"rewritten": 1}
+    fx_graph = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    return {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}, fx_graph
+
+
+def test_cache_entries_follow_the_package(monkeypatch):
+    torch.manual_seed(0)
+    model, x = ModuleListMoE(), torch.randn(2, 5, 16, requires_grad=True)
+    with fresh_cache():
+        assert _compile_step(model, x) == ({"autograd_cache_miss": 1, "autograd_cache_saved": 1},
+                                           {"fxgraph_cache_miss": 2})
+        # same code: both graphs come from the caches (so the next miss is the tag's doing)
+        assert _compile_step(model, x) == ({"autograd_cache_hit": 1}, {"fxgraph_cache_hit": 2})
+        # other code of the package (an upgrade): the forward and the backward compile afresh
+        monkeypatch.setattr(backend, "source_fingerprint", lambda: "another version")
+        assert _compile_step(model, x) == ({"autograd_cache_miss": 1, "autograd_cache_saved": 1},
+                                           {"fxgraph_cache_miss": 2})
+        monkeypatch.setenv("MOEBLAZE_KERNEL_CONFIG", "block_m=32")  # what the fakes read when tracing
+        assert _compile_step(model, x)[0] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+
+
+def _graph(target) -> fx.GraphModule:
+    g = fx.Graph()
+    a = g.placeholder("a")
+    g.output(g.call_function(target, (a,)))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_tag_names_what_the_fakes_see(monkeypatch):
+    gm = _graph(torch.ops.moeblaze.moe_ffn.default)
+    tag = backend.cache_key_tag(gm)
+    assert tag.startswith("moeblaze-") and len(tag) == len("moeblaze-") + 16
+    assert backend.cache_key_tag(gm) == tag
+    assert backend.cache_key_tag(_graph(torch.ops.moeblaze.moe_ffn_backward.default)) == tag
+    assert backend.cache_key_tag(_graph(torch.ops.aten.relu.default)) is None  # no operator of ours: torch's tag
+    with monkeypatch.context() as m:
+        m.setenv("MOEBLAZE_KERNEL_CONFIG", "block_m=32")
+        assert backend.cache_key_tag(gm) not in (tag, None)
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0" if backend.os.environ.get("TRITON_INTERPRET") == "1" else "1")
+        assert backend.cache_key_tag(gm) not in (tag, None)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_triton_kernels", lambda: None)
+        assert backend.cache_key_tag(gm) not in (tag, None)
+    with monkeypatch.context() as m:
+        m.setattr(backend, "source_fingerprint", lambda: "another version")
+        assert backend.cache_key_tag(gm) not in (tag, None)
+    assert backend.cache_key_tag(gm) == tag
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        assert backend.cache_key_tag(gm) == "mine+" + tag
+        assert backend.cache_key_tag(_graph(torch.ops.aten.relu.default)) is None
+
+
+def test_source_fingerprint_reads_every_source_file(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernels" / "b.py").write_text("y = 2\n")
+
+    def fp():
+        backend.source_fingerprint.cache_clear()
+        return backend.source_fingerprint(str(tmp_path))
+
+    first = fp()
+    (tmp_path / "notes.txt").write_text("not source")
+    assert fp() == first
+    (tmp_path / "kernels" / "b.py").write_text("y = 3\n")
+    second = fp()
+    assert second != first
+    (tmp_path / "kernels" / "b.py").rename(tmp_path / "kernels" / "c.py")
+    assert fp() not in (first, second)
+    backend.source_fingerprint.cache_clear()
+
+
+@pytest.mark.parametrize("user_tag", ["", "mine"])
+def test_compile_runs_under_the_tag(monkeypatch, user_tag):
+    """Inductor sees the tag while it keys the forward, the backward (compiled when the backward first runs) and
+    AOTAutograd's entry; a graph without our operators compiles under the user's tag alone."""
+    import torch._inductor.codecache as codecache
+
+    seen = []
+    init = codecache.FxGraphHashDetails.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(self.cache_key_tag)
+
+    monkeypatch.setattr(codecache.FxGraphHashDetails, "__init__", spy)
+    torch.manual_seed(0)
+    with fresh_cache(), torch.compiler.config.patch(cache_key_tag=user_tag):
+        run_eager_and_compiled(ModuleListMoE(), (torch.randn(2, 5, 16, requires_grad=True),), options={})
+        ours = seen[:]
+        seen.clear()
+        torch._dynamo.reset()
+        torch.compile(TopKPooling(), backend="moeblaze")(torch.randn(3, 16, requires_grad=True)).sum().backward()
+        assert torch.compiler.config.cache_key_tag == user_tag
+        want = backend.cache_key_tag(_graph(torch.ops.moeblaze.moe_ffn.default))
+    assert ours == [want] * 3  # AOTAutograd's key, the forward's, the backward's
+    assert want.startswith(f"{user_tag}+moeblaze-" if user_tag else "moeblaze-")
+    assert seen and set(seen) == {user_tag}
+
+
+@pytest.mark.cuda
+def test_cache_replay_on_cuda(monkeypatch):
+    """A tiny bf16 Mixtral's training step on the GPU (the operator's Triton path, whose forward saves its dispatch
+    plan for the backward) replayed from torch's caches equals eager; other package code compiles afresh."""
+    from test_hf import LAYERS, build
+
+    model = build("mixtral", "grouped_mm", torch.bfloat16).cuda()
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
+
+    def step():
+        torch._dynamo.reset()
+        got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={"checkpoint": "activations"})
+        assert got == {"rewritten": LAYERS}
+        return {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}
+
+    with fresh_cache():
+        assert step() == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+        assert step() == {"autograd_cache_hit": 1}
+        monkeypatch.setattr(backend, "source_fingerprint", lambda: "another version")
+        assert step() == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
