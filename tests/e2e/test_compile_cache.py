@@ -117,17 +117,16 @@ def test_compile_runs_under_the_tag(monkeypatch, user_tag):
 
 @pytest.mark.cuda
 def test_cache_replay_on_cuda(monkeypatch):
-    """A tiny bf16 Mixtral's training step on the GPU (the operator's Triton path, whose forward saves its dispatch
-    plan for the backward) replayed from torch's caches equals eager; other package code compiles afresh."""
-    from test_hf import LAYERS, build
-
-    model = build("mixtral", "grouped_mm", torch.bfloat16).cuda()
-    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
+    """A bf16 training step on the GPU (the operator's Triton path, whose forward saves its dispatch plan for the
+    backward) replayed from torch's caches equals eager; other package code compiles afresh."""
+    torch.manual_seed(0)
+    model = ModuleListMoE(d=64, h=96).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def step():
         torch._dynamo.reset()
-        got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={"checkpoint": "activations"})
-        assert got == {"rewritten": LAYERS}
+        got = run_eager_and_compiled(model, (x,), dtype=torch.bfloat16, options={"checkpoint": "activations"})
+        assert got == {"rewritten": 1}
         return {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}
 
     with fresh_cache():
