@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import pathlib
+import uuid
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -32,26 +34,50 @@ __all__ = ["moeblaze_backend", "rewrite_graph", "cache_key_tag"]
 
 # What the operators' fakes read while a graph is traced (ops.plan_block_m, ops._use_triton), beside the code.
 _TRACE_ENV = ("MOEBLAZE_KERNEL_CONFIG", "TRITON_INTERPRET")
+log = logging.getLogger("moeblaze_fx")
 
 
 @functools.lru_cache(maxsize=None)
 def source_fingerprint(root: str = str(pathlib.Path(__file__).parent)) -> str:
-    """sha256 of every ``.py`` file under ``root`` (the package), with its relative path."""
-    digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(root).rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    """sha256 of every ``.py`` file under ``root`` (the package), with its relative path. Where no source file can
+    be read (a zipped or compiled-only install), a random value, so that no cache entry made elsewhere matches."""
+    digest, found = hashlib.sha256(), False
+    try:
+        for path in sorted(pathlib.Path(root).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+            found = True
+    except OSError as exc:
+        log.warning("moeblaze: cannot read the package's source (%s)", exc)
+        found = False
+    if not found:
+        log.warning("moeblaze: no source of the package under %s: graphs with MoEBlaze operators are not shared "
+                    "through torch's compile caches across processes", root)
+        return uuid.uuid4().hex
     return digest.hexdigest()
 
 
-def cache_key_tag(gm: fx.GraphModule) -> Optional[str]:
-    """The tag to compile ``gm`` under: None where it calls no MoEBlaze operator; else torch's own tag (the user's
-    ``torch.compiler.config.cache_key_tag``) followed by this package's source fingerprint, whether the Triton
-    kernels import, and the settings in ``_TRACE_ENV``."""
-    if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "moeblaze"
-               for n in gm.graph.nodes):
+source_fingerprint()  # the code this process imported, not what is on disk at its first compile
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name()
+    if isinstance(target, torch._ops.OpOverloadPacket):  # a direct call, as Dynamo records it
+        return target._qualified_op_name
+    return ""
+
+
+def cache_key_tag(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> Optional[str]:
+    """The tag to compile ``gm`` under: None where neither it nor a subgraph calls a MoEBlaze operator; else torch's
+    own tag (the user's ``torch.compiler.config.cache_key_tag``) followed by a hash of this package's source, the
+    settings in ``_TRACE_ENV`` and, for a graph with CUDA inputs, whether the Triton kernels import."""
+    if not any(n.op == "call_function" and _op_name(n.target).startswith("moeblaze::")
+               for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes):
         return None
     env = ";".join(f"{k}={os.environ.get(k, '')}" for k in _TRACE_ENV)
-    state = f"{source_fingerprint()};triton={ops._triton_kernels() is not None};{env}"
+    cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    triton = ops._triton_kernels() is not None if cuda else "-"  # the CPU path never imports them
+    state = f"{source_fingerprint()};triton={triton};{env}"
     ours = "moeblaze-" + hashlib.sha256(state.encode()).hexdigest()[:16]
     user = torch.compiler.config.cache_key_tag
     return f"{user}+{ours}" if user else ours
@@ -76,22 +102,29 @@ def _tagged(inner_compile: Callable[..., Any], tag: str) -> Callable[..., Any]:
     return compile_tagged
 
 
-def moeblaze_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                     options: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    if not inductor:
+        return gm.forward
+    tag = cache_key_tag(gm, example_inputs)
+    if tag is None:
+        return compile_fx(gm, example_inputs)
+    # the tag around AOTAutograd's key, and around each graph's compile: the backward's runs at its first call, on
+    # autograd's thread (config patches are per thread)
+    with torch.compiler.config.patch(cache_key_tag=tag):
+        return compile_fx(gm, example_inputs, inner_compile=_tagged(compile_fx_inner, tag))
+
+
+def moeblaze_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     options: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
     cfg = _config.from_options(options)
     if not cfg.enabled:
-        return compile_fx(gm, example_inputs) if cfg.inductor else gm.forward
+        return _compile(gm, example_inputs, cfg.inductor)
     counted = dict(counters["moeblaze"])
     new_gm = rewrite_graph(gm, example_inputs, options)
-    tag = cache_key_tag(new_gm) if cfg.inductor else None
     try:
-        if tag is None:
-            compiled = compile_fx(new_gm, example_inputs) if cfg.inductor else new_gm.forward
-        else:  # the tag around AOTAutograd's key, and around each graph's compile (the backward's runs later)
-            with torch.compiler.config.patch(cache_key_tag=tag):
-                compiled = compile_fx(new_gm, example_inputs, inner_compile=_tagged(compile_fx_inner, tag))
+        compiled = _compile(new_gm, example_inputs, cfg.inductor)
     except BaseException:
         # Dynamo will trace this frame again (Inductor's "restart analysis") or give up on it: this
         # attempt's records and counts are not the graph that runs.

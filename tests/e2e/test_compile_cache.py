@@ -8,7 +8,22 @@ from test_loop import ModuleListMoE, TopKPooling
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
-from moeblaze_fx import backend, ops
+from moeblaze_fx import backend, moe_ffn, ops
+
+
+class DirectMoE(torch.nn.Module):
+    """A model that calls the operator itself."""
+
+    def __init__(self, d=16, h=8, E=4, K=2):
+        super().__init__()
+        self.router = torch.nn.Linear(d, E, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(E, 2 * h, d) * d ** -0.5)
+        self.down = torch.nn.Parameter(torch.randn(E, d, h) * h ** -0.5)
+        self.K = K
+
+    def forward(self, x):
+        w, ids = torch.topk(self.router(x).softmax(-1), self.K, dim=-1)
+        return moe_ffn(x, ids, w / w.sum(-1, keepdim=True), (self.gate_up, self.down), activation="swiglu")
 
 
 def _compile_step(model, x) -> tuple[dict, dict]:
@@ -42,12 +57,24 @@ def _graph(target) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
+def _cuda_input():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # a CUDA tensor's metadata, on a machine without one too
+        return torch.empty(2, device="cuda")
+
+
 def test_tag_names_what_the_fakes_see(monkeypatch):
     gm = _graph(torch.ops.moeblaze.moe_ffn.default)
     tag = backend.cache_key_tag(gm)
     assert tag.startswith("moeblaze-") and len(tag) == len("moeblaze-") + 16
     assert backend.cache_key_tag(gm) == tag
     assert backend.cache_key_tag(_graph(torch.ops.moeblaze.moe_ffn_backward.default)) == tag
+    assert backend.cache_key_tag(_graph(torch.ops.moeblaze.moe_ffn)) == tag  # a direct call: Dynamo keeps the packet
+    inner = _graph(torch.ops.moeblaze.moe_ffn.default)  # inside a subgraph (a checkpointed region's body)
+    outer = _graph(torch.ops.aten.relu.default)
+    outer.add_module("body", inner)
+    assert backend.cache_key_tag(outer) == tag
     assert backend.cache_key_tag(_graph(torch.ops.aten.relu.default)) is None  # no operator of ours: torch's tag
     with monkeypatch.context() as m:
         m.setenv("MOEBLAZE_KERNEL_CONFIG", "block_m=32")
@@ -56,15 +83,37 @@ def test_tag_names_what_the_fakes_see(monkeypatch):
         m.setenv("TRITON_INTERPRET", "0" if backend.os.environ.get("TRITON_INTERPRET") == "1" else "1")
         assert backend.cache_key_tag(gm) not in (tag, None)
     with monkeypatch.context() as m:
-        m.setattr(ops, "_triton_kernels", lambda: None)
-        assert backend.cache_key_tag(gm) not in (tag, None)
-    with monkeypatch.context() as m:
         m.setattr(backend, "source_fingerprint", lambda: "another version")
         assert backend.cache_key_tag(gm) not in (tag, None)
+    # whether the Triton kernels import counts where the graph has CUDA inputs (the CPU path never imports them)
+    cuda = backend.cache_key_tag(gm, [_cuda_input()])
+    assert cuda not in (tag, None)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_triton_kernels", lambda: None)
+        assert backend.cache_key_tag(gm, [_cuda_input()]) not in (tag, cuda, None)
+        assert backend.cache_key_tag(gm, [torch.empty(2)]) == tag
     assert backend.cache_key_tag(gm) == tag
     with torch.compiler.config.patch(cache_key_tag="mine"):
         assert backend.cache_key_tag(gm) == "mine+" + tag
         assert backend.cache_key_tag(_graph(torch.ops.aten.relu.default)) is None
+
+
+def test_source_fingerprint_covers_the_package(tmp_path):
+    """The default root is the package itself: a copy hashes the same, an edit to any module of the copy does not."""
+    import shutil
+
+    root = backend.pathlib.Path(backend.__file__).parent
+    copy = tmp_path / "moeblaze_fx"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    try:
+        assert backend.source_fingerprint(str(copy)) == backend.source_fingerprint()
+        for module in ("ops.py", "kernels/reference.py"):
+            (copy / module).write_text((copy / module).read_text() + "\n# another version\n")
+            changed = backend.source_fingerprint.__wrapped__(str(copy))
+            assert changed != backend.source_fingerprint()
+    finally:
+        backend.source_fingerprint.cache_clear()
+        backend.source_fingerprint()
 
 
 def test_source_fingerprint_reads_every_source_file(tmp_path):
@@ -84,7 +133,12 @@ def test_source_fingerprint_reads_every_source_file(tmp_path):
     assert second != first
     (tmp_path / "kernels" / "b.py").rename(tmp_path / "kernels" / "c.py")
     assert fp() not in (first, second)
+    (tmp_path / "kernels" / "c.py").unlink()
+    (tmp_path / "a.py").unlink()
+    empty = fp()  # no source to read: a value no other process makes
+    assert empty not in (first, second) and empty != fp()
     backend.source_fingerprint.cache_clear()
+    backend.source_fingerprint()
 
 
 @pytest.mark.parametrize("user_tag", ["", "mine"])
@@ -106,11 +160,20 @@ def test_compile_runs_under_the_tag(monkeypatch, user_tag):
         run_eager_and_compiled(ModuleListMoE(), (torch.randn(2, 5, 16, requires_grad=True),), options={})
         ours = seen[:]
         seen.clear()
+        # the operator called directly, with the passes switched off: tagged too
+        torch._dynamo.reset()
+        direct = torch.compile(DirectMoE(), backend="moeblaze", options={"enabled": False})
+        direct(torch.randn(6, 16, requires_grad=True)).sum().backward()
+        ours_direct = seen[:]
+        seen.clear()
         torch._dynamo.reset()
         torch.compile(TopKPooling(), backend="moeblaze")(torch.randn(3, 16, requires_grad=True)).sum().backward()
         assert torch.compiler.config.cache_key_tag == user_tag
         want = backend.cache_key_tag(_graph(torch.ops.moeblaze.moe_ffn.default))
     assert ours == [want] * 3  # AOTAutograd's key, the forward's, the backward's
+    # moe_ffn's Python wrapper breaks the graph (its layout check reads storage offsets): the graph that calls the
+    # operator is tagged, the router's and the wrapper's are not
+    assert ours_direct.count(want) == 3 and set(ours_direct) == {user_tag, want}
     assert want.startswith(f"{user_tag}+moeblaze-" if user_tag else "moeblaze-")
     assert seen and set(seen) == {user_tag}
 
@@ -134,3 +197,15 @@ def test_cache_replay_on_cuda(monkeypatch):
         assert step() == {"autograd_cache_hit": 1}
         monkeypatch.setattr(backend, "source_fingerprint", lambda: "another version")
         assert step() == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+
+
+def test_source_fingerprint_is_taken_at_import():
+    """The hash is of the code the process imported: files changed on disk later (an upgrade in place, a branch
+    switch under an editable install) must not give the old code the new code's tag."""
+    import subprocess
+    import sys
+
+    code = ("import moeblaze_fx.backend as b; i = b.source_fingerprint.cache_info(); "
+            "print(i.currsize, i.misses, i.hits)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "1", "0"]
