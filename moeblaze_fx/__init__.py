@@ -2,6 +2,7 @@
 from .config import MoEBlazeConfig, patch
 from .ops import moe_ffn
 from . import report
+from . import backend  # noqa: F401  (hashes the package's source as imported, for its compile-cache tag)
 from .bench.compare import compare
 from .report import RegionRecord, last_report
 

@@ -56,7 +56,7 @@ def source_fingerprint(root: str = str(pathlib.Path(__file__).parent)) -> str:
     return digest.hexdigest()
 
 
-source_fingerprint()  # the code this process imported, not what is on disk at its first compile
+source_fingerprint()  # at `import moeblaze_fx`: the code this process runs, not what is on disk at its first compile
 
 
 def _op_name(target: Any) -> str:

@@ -205,7 +205,7 @@ def test_source_fingerprint_is_taken_at_import():
     import subprocess
     import sys
 
-    code = ("import moeblaze_fx.backend as b; i = b.source_fingerprint.cache_info(); "
+    code = ("import moeblaze_fx; i = moeblaze_fx.backend.source_fingerprint.cache_info(); "
             "print(i.currsize, i.misses, i.hits)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["1", "1", "0"]
