@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from moeblaze_fx.bench.layer import CONFIGS, L2_FLUSH_BYTES, PROVIDERS, _grads, free_memory, make_inputs
+from moeblaze_fx.bench.layer import CONFIGS, PROVIDERS, _grads, cuda_step_times, free_memory, make_inputs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_device import kernel_times  # noqa: E402
@@ -32,25 +32,14 @@ from ab_device import kernel_times  # noqa: E402
 
 def timed(step, dev, reps: int, gc_off: bool) -> tuple[list[float], list[float]]:
     """(event ms per step, host ms between step starts) over ``reps`` steps enqueued back to back."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=dev)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     torch.cuda.synchronize(dev)
+    host: list[float] = []
     if gc_off:
         gc.disable()
     try:
-        t = []
-        for i in range(reps):
-            flush.zero_()
-            t.append(time.perf_counter())
-            starts[i].record()
-            step(i)
-            ends[i].record()
-        t.append(time.perf_counter())
+        return cuda_step_times(step, dev, reps, host_ms=host), host
     finally:
         gc.enable()
-    torch.cuda.synchronize(dev)
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)], [(b - a) * 1e3 for a, b in zip(t, t[1:])]
 
 
 def main() -> int:

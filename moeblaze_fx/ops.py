@@ -435,9 +435,8 @@ def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk
     # real implementation reads the same way (a pinned kernel config changed between tracing and running would
     # change the tile: the plan would then not match its traced shapes)
     if _use_triton(x):
-        E = int(layout[0])
-        n_tiles = reference.max_tiles(n_pairs, E, plan_block_m(x.device))
-        plan = [ids.new_empty((n,), dtype=torch.int32) for n in (E + 1, n_pairs, n_pairs, n_tiles, n_tiles)]
+        sizes = reference.plan_sizes(n_pairs, int(layout[0]), plan_block_m(x.device))
+        plan = [ids.new_empty((n,), dtype=torch.int32) for n in sizes]
     return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,)), plan
 
 

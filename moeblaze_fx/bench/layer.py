@@ -469,17 +469,24 @@ def timer_label(device: torch.device, warmup: int, reps: int) -> str:
     return f"CPU wall clock (not device events), median of {reps} after {warmup} warm-up"
 
 
-def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0) -> list[float]:
+def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0,
+                    host_ms: Optional[list[float]] = None) -> list[float]:
     """Each of ``reps`` steps' time in ms (``step(first)``, ``step(first + 1)``, ...): CUDA events, the L2 flushed
-    before each step, the steps enqueued back to back."""
+    before each step, the steps enqueued back to back. ``host_ms``: appended the host's ms from each step's start
+    to the next's."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    clock = []
     for i in range(reps):
         flush.zero_()
+        clock.append(time.perf_counter())
         starts[i].record()
         step(first + i)
         ends[i].record()
+    clock.append(time.perf_counter())
+    if host_ms is not None:
+        host_ms.extend((b - a) * 1e3 for a, b in zip(clock, clock[1:]))
     torch.cuda.synchronize(device)
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 

@@ -26,17 +26,15 @@ import os
 import torch
 import triton
 
+from .autotune import interpreting
+
 __all__ = ["ENV_VAR", "enabled", "launch", "stats"]
 
 ENV_VAR = "MOEBLAZE_FAST_LAUNCH"
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 # the launcher's calling convention and the compiled kernel's attributes relied on here are Triton 3.6's
-_SUPPORTED = triton.__version__.startswith("3.6.") and not _interpreted()
+_SUPPORTED = triton.__version__.startswith("3.6.") and not interpreting()
 _CACHE: dict = {}
 _PARAM_KINDS: dict = {}
 _STATS = {"fast": 0, "slow": 0}

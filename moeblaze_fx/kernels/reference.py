@@ -73,6 +73,12 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs // block_m + num_experts
 
 
+def plan_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, ...]:
+    """The lengths of a :class:`DispatchPlan`'s five int32 tensors, in field order."""
+    n_tiles = max_tiles(num_pairs, num_experts, block_m)
+    return num_experts + 1, num_pairs, num_pairs, n_tiles, n_tiles
+
+
 def _check_ids(ids: Tensor, num_experts: int) -> None:
     if ids.dim() != 2:
         raise ValueError(f"ids must be [T, K], got shape {tuple(ids.shape)}")

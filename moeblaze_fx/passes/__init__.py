@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..config import MoEBlazeConfig
-from ..kernels.reference import max_tiles
+from ..kernels.reference import plan_sizes
 from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
@@ -125,7 +125,7 @@ def saved_bytes_after(T: int, d: int, h: int, K: int, itemsize: int, ids_itemsiz
     if block_m is not None:  # int32 offsets [E+1], token index and slot [T*K], two tile tables
         if E < 1:
             raise ValueError(f"saved_bytes_after: the plan's size needs the number of experts, got E = {E}")
-        total += 4 * (E + 1 + 2 * n_pairs + 2 * max_tiles(n_pairs, E, block_m))
+        total += 4 * sum(plan_sizes(n_pairs, E, block_m))
     return total
 
 

@@ -174,7 +174,7 @@ def test_a_missing_parameter_is_left_to_triton(fast):
 def test_off_where_triton_is_not_3_6_or_interpreted():
     import triton
 
-    assert L.enabled() == (triton.__version__.startswith("3.6.") and not L._interpreted())
+    assert L.enabled() == (triton.__version__.startswith("3.6.") and not L.interpreting())
 
 
 @pytest.mark.cuda

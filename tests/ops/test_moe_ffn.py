@@ -140,7 +140,8 @@ def triton_path(monkeypatch):
     """The operator's Triton path on CPU tensors through Triton's interpreter (the GPU runs it for real); counts
     the dispatch plans the operator builds."""
     if torch.cuda.is_available():
-        pytest.skip("drives the Triton path on CPU tensors through the interpreter")
+        pytest.skip("drives the Triton path on CPU tensors through the interpreter, which is off on a GPU machine "
+                    "(the cuda tests run that path for real)")
     from moeblaze_fx import ops
     from moeblaze_fx.kernels import expert_fwd
 
