@@ -111,13 +111,22 @@ def decode_layout(layout: Sequence[int]) -> tuple[int, list[RoleView | None]]:
     return int(layout[0]), [None if v.first < 0 else v for v in views]
 
 
-def layout_of(experts: ExpertParams) -> tuple[list[Tensor], list[int]]:
+def layout_of(experts: ExpertParams, within: Sequence[tuple[Tensor, int] | None] | None = None
+              ) -> tuple[list[Tensor], list[int]]:
     """``(params, layout)`` for expert tensors given as ``[E, ...]`` tensors or views of them (biases
-    ``[E, n]``): each role is described as a view of its base tensor, so gradients reach the base."""
+    ``[E, n]``): each role is described as a view of its base tensor, so gradients reach the base.
+
+    ``within``, per role: None, or ``(tensor, offset)`` when the caller knows the role starts ``offset``
+    elements into ``tensor`` with ``tensor``'s strides (``moe_ffn``'s split of a fused gate/up weight).
+    It is used while Dynamo traces, which cannot read storage offsets: there a role that is contiguous
+    (or is in its last two dimensions transposed) is its own base, a role whose ``within`` tensor is so
+    is described in it, and any other role is described through storage offsets, which breaks the graph
+    (correct, but more graphs than one)."""
     params: list[Tensor] = []
     views: list[RoleView | None] = []
     E = experts.gate.shape[0]
-    for t in experts:
+    compiling = torch.compiler.is_compiling()
+    for i, t in enumerate(experts):
         if t is None:
             views.append(None)
             continue
@@ -125,14 +134,25 @@ def layout_of(experts: ExpertParams) -> tuple[list[Tensor], list[int]]:
             raise ValueError(f"moeblaze.moe_ffn: every expert tensor must be [E, ...] with E = {E} experts (from the gate); "
                              f"got shapes {[None if u is None else tuple(u.shape) for u in experts]}")
         t3 = t if t.dim() == 3 else t.unsqueeze(-1)
-        base = t._base if t._base is not None else t
-        index = next((i for i, p in enumerate(params) if p is base), None)
+        known = None if within is None else within[i]
+        if compiling and _contiguous_or_transposed(t):
+            base, offset = t, 0
+        elif compiling and known is not None and _contiguous_or_transposed(known[0]):
+            base, offset = known
+        else:
+            base = t._base if t._base is not None else t
+            offset = t3.storage_offset() - base.storage_offset()
+        index = next((j for j, p in enumerate(params) if p is base), None)
         if index is None:
             params.append(base)
             index = len(params) - 1
-        views.append(RoleView(index, 1, t3.storage_offset() - base.storage_offset(), t3.stride(0), t3.stride(1),
-                              t3.stride(2), t3.shape[1], t3.shape[2]))
+        views.append(RoleView(index, 1, offset, t3.stride(0), t3.stride(1), t3.stride(2), t3.shape[1], t3.shape[2]))
     return params, encode_layout(E, views)
+
+
+def _contiguous_or_transposed(t: Tensor) -> bool:
+    """Dense in one of the two orders parameters come in; traceable by Dynamo, also on symbolic strides."""
+    return t.is_contiguous() or t.transpose(-1, -2).is_contiguous()
 
 
 def _role_value(params: Sequence[Tensor], v: RoleView, E: int) -> Tensor | list[Tensor]:
@@ -625,10 +645,12 @@ def moe_ffn(
             ``chunk_tokens * K`` on the Triton path, token chunks on the PyTorch path); None picks
             :func:`default_chunk_tokens`, 0 processes everything at once.
     """
+    within = None
     if not isinstance(experts, ExpertParams):
         w_gate_up, w_down = experts
         experts = ExpertParams(*reference.split_gate_up(w_gate_up), w_down)
-    params, layout = layout_of(experts)
+        within = [(w_gate_up, 0), (w_gate_up, experts.gate.shape[1] * w_gate_up.stride(1))] + [None] * (len(ROLES) - 2)
+    params, layout = layout_of(experts, within)
     if chunk_tokens is None:
         act = parse_activation(activation)
         chunk_tokens = default_chunk_tokens(ids.shape[-1], x.shape[-1], experts.gate.shape[1], act.gated,

@@ -215,3 +215,53 @@ def test_triton_path_slot_windows_in_the_interpreter(monkeypatch, checkpoint):
     for chunk in (0, 6):
         y = torch.ops.moeblaze.moe_ffn(x, ids, w, flat, encode_layout(E, views), "swiglu", checkpoint, chunk)[0]
         _compare(y, moe_ffn_reference(x, ids, w, stacked), [x, w, *flat], g, tol=1e-5)
+
+
+def _graphs(fn, *args) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args).graph_count
+
+
+@pytest.mark.parametrize("style,form,graphs", [
+    ("fused", "tuple", 1),  # moe_ffn splits the fused weight itself: described in it, no storage offsets read
+    ("separate", "experts", 1),  # dense parameters: each its own base
+    ("fused", "experts", 2),  # slices made by the caller: their offsets are read, which breaks the graph
+    ("interleaved-transposed", "experts", 2),
+])
+def test_direct_call_under_torch_compile(style, form, graphs):
+    """A model calling moe_ffn itself under torch.compile: the graphs Dynamo makes, and output and every
+    gradient against the reference (aot_eager, and once through Inductor)."""
+    g = torch.Generator().manual_seed(7)
+    params, experts = _storage(style, True, False, g)
+    x, ids, w = _inputs(g)
+
+    def call(x, w, *tensors):
+        if form == "tuple":
+            return moe_ffn(x, ids, w, tuple(tensors), chunk_tokens=5)
+        return moe_ffn(x, ids, w, _retake(style, True, False, dict(zip(params, tensors))), chunk_tokens=5)
+
+    assert _graphs(call, x, w, *params.values()) == graphs
+    for backend in ["aot_eager", "inductor"] if form == "tuple" else ["aot_eager"]:
+        torch._dynamo.reset()
+        y = torch.compile(call, backend=backend)(x, w, *params.values())
+        _compare(y, moe_ffn_reference(x, ids, w, experts), [x, w, *params.values()], g)
+
+
+def test_direct_call_under_torch_compile_reads_each_calls_weights():
+    """Weights passed into the compiled function as views at other offsets of one buffer: each call reads its
+    own (a layout fixed at compile time would read the first call's). Contiguous and transposed views are
+    described in one graph; a view with gaps through storage offsets, in several."""
+    g = torch.Generator().manual_seed(8)
+    x, ids, w = _inputs(g)
+    down = _rand(E, d, h, g=g)
+    store = _rand(2, E, 2 * h, d, g=g)
+    store_t = _rand(2, E, d, 2 * h, g=g)
+    gapped = _rand(E, 2 * h, 2, d, g=g)
+    cases = [(True, [store[i] for i in range(2)]), (True, [store_t[i].transpose(1, 2) for i in range(2)]),
+             (False, [gapped[:, :, i] for i in range(2)])]
+    for fullgraph, weights in cases:
+        torch._dynamo.reset()
+        call = torch.compile(lambda x, gu, dn: moe_ffn(x, ids, w, (gu, dn)), backend="aot_eager", fullgraph=fullgraph)
+        for gate_up in weights:
+            want = moe_ffn_reference(x, ids, w, ExpertParams(gate_up[:, :h], gate_up[:, h:], down))
+            torch.testing.assert_close(call(x, gate_up, down), want, rtol=1e-10, atol=1e-10)
