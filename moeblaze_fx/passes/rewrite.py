@@ -36,11 +36,14 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
     trace = y.meta.get("stack_trace")
 
     def call(fn, *args):
-        node = graph.call_function(fn, tuple(args))
+        """A node calling ``fn``, or the Tensor method named ``fn`` as Dynamo records methods (a method
+        descriptor as a call_function target makes AOTAutograd's cache bypass the graph)."""
+        method = isinstance(fn, str)
+        node = graph.call_method(fn, tuple(args)) if method else graph.call_function(fn, tuple(args))
+        vals = [[example_value(a) for a in arg] if isinstance(arg, list) else example_value(arg) for arg in args]
         # the innermost no-op hooks keep a caller's saved_tensors_hooks away from fake tensors
         with fake_mode, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            node.meta["example_value"] = fn(*[[example_value(a) for a in arg] if isinstance(arg, list) else example_value(arg)
-                                              for arg in args])
+            node.meta["example_value"] = getattr(vals[0], fn)(*vals[1:]) if method else fn(*vals)
         if trace:
             node.meta["stack_trace"] = trace
         node.meta["moeblaze_role"] = "moeblaze"
@@ -55,10 +58,10 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
                   chunk_tokens)
         out = call(operator.getitem, op, 0)
         if tuple(y_val.shape) != tuple(example_value(out).shape):
-            out = call(torch.Tensor.view_as, out, ext.x) if tuple(y_val.shape) == tuple(x_val.shape) else \
+            out = call("view_as", out, ext.x) if tuple(y_val.shape) == tuple(x_val.shape) else \
                 call(torch.reshape, out, tuple(y_val.shape))
         if y_val.dtype != x_val.dtype:
-            out = call(torch.Tensor.to, out, y_val.dtype)
+            out = call("to", out, y_val.dtype)
     y.replace_all_uses_with(out)
     for node in reversed(cand.asserts):
         if not node.users:

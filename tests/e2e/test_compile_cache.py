@@ -50,6 +50,21 @@ def test_cache_entries_follow_the_package(monkeypatch):
         assert _compile_step(model, x)[0] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
 
 
+def test_a_rewrite_with_casts_is_cached():
+    """Hugging Face's bfloat16 Mixtral: the rewrite casts the operator's output back to the combine's float32 dtype
+    and views it as x. Inserted as call_function nodes of method descriptors, those made AOTAutograd bypass its
+    cache ("'method_descriptor' object has no attribute '__module__'"); as Tensor method calls they do not."""
+    from test_hf import build
+
+    model = build("mixtral", "grouped_mm", torch.bfloat16).model.layers[0].mlp
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).requires_grad_()
+    step = lambda: (torch._dynamo.reset(), run_eager_and_compiled(model, (x,), dtype=torch.bfloat16, options={}),
+                    {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")})[1:]
+    with fresh_cache():
+        assert step() == ({"rewritten": 1}, {"autograd_cache_miss": 1, "autograd_cache_saved": 1})
+        assert step() == ({"rewritten": 1}, {"autograd_cache_hit": 1})
+
+
 def _graph(target) -> fx.GraphModule:
     g = fx.Graph()
     a = g.placeholder("a")
