@@ -26,10 +26,12 @@ Two kinds of candidate are reported instead of analysed further:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
 import re
+from collections.abc import Iterable, MutableMapping
 from typing import Optional
 
 import torch
@@ -83,9 +85,16 @@ def assert_only_nodes(graph: fx.Graph) -> set[fx.Node]:
 def _post_dominators(graph: fx.Graph, ignore: set[fx.Node]) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    exit_node = nodes[-1]  # the output node
-    ipdom: dict[fx.Node, fx.Node] = {exit_node: exit_node}
+    ipdom: dict[fx.Node, fx.Node] = {nodes[-1]: nodes[-1]}  # the output node
+    _fill_post_dominators(reversed(nodes[:-1]), ipdom, order, nodes[-1], ignore)
+    return ipdom, order
 
+
+def _fill_post_dominators(nodes: Iterable[fx.Node], ipdom: MutableMapping[fx.Node, fx.Node], order: dict[fx.Node, int],
+                          exit_node: fx.Node, ignore: set[fx.Node], quiet: frozenset[fx.Node] = frozenset()) -> None:
+    """``ipdom`` of ``nodes``, given in reverse graph order after every later node's: the nearest node every
+    path to the output passes through, over the users, leaving out the users in ``ignore`` and the edges from
+    ``quiet`` nodes to the output."""
     def meet(a: fx.Node, b: fx.Node) -> fx.Node:
         while a is not b:
             while order[a] < order[b]:
@@ -94,8 +103,8 @@ def _post_dominators(graph: fx.Graph, ignore: set[fx.Node]) -> tuple[dict[fx.Nod
                 b = ipdom[b]
         return a
 
-    for node in reversed(nodes[:-1]):
-        succ = [u for u in node.users if u not in ignore]
+    for node in nodes:
+        succ = [u for u in node.users if u not in ignore and not (u is exit_node and node in quiet)]
         if not succ:
             ipdom[node] = exit_node
             continue
@@ -103,7 +112,38 @@ def _post_dominators(graph: fx.Graph, ignore: set[fx.Node]) -> tuple[dict[fx.Nod
         for s in succ[1:]:
             cur = meet(cur, s)
         ipdom[node] = cur
-    return ipdom, order
+
+
+def _side_uses(ids: fx.Node, asserts: set[fx.Node], upto: fx.Node
+               ) -> tuple[set[fx.Node], frozenset[fx.Node], list[fx.Node]]:
+    """The routing's uses beside the expert computation, among the nodes from ``ids`` to ``upto``: ``side``,
+    the nodes computed from the ids that lead to no expert product and are computed from none (a load-balancing
+    loss from ``one_hot(ids)``; also indices only the combine reads, which the region's body takes in anyway),
+    and ``quiet``, the nodes computed from the ids and from no expert output, whose edges to the graph's output
+    (the ids returned) are side uses too; and the nodes after ``ids`` up to ``upto`` (the output node left out)."""
+    computed = {ids}
+    span = []
+    node = ids.next
+    while node.op != "output":
+        span.append(node)
+        if node not in asserts and any(i in computed for i in node.all_input_nodes):
+            computed.add(node)
+        if node is upto:
+            break
+        node = node.next
+    products = [n for n in computed if role(n) in ("grouped_mm", "matmul")]
+    after = set(products)
+    for node in span:
+        if node not in after and any(i in after for i in node.all_input_nodes):
+            after.add(node)
+    feeds: set[fx.Node] = set()
+    stack = list(products)
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i in computed and i not in feeds:
+                feeds.add(i)
+                stack.append(i)
+    return computed - feeds - after - {ids}, frozenset(computed - after), span
 
 
 def _ids_of(topk: fx.Node) -> Optional[fx.Node]:
@@ -135,6 +175,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
     may_be_split = compiled_because is None or compiled_because.graph_break
     asserts = assert_only_nodes(graph)
     ipdom, order = _post_dominators(graph, asserts)
+    exit_node = next(iter(reversed(graph.nodes)))  # torch 2.11: reversed() gives no iterator
     static: set[fx.Node] = set()
     for node in graph.nodes:
         if _is_static(node, static, params):
@@ -154,13 +195,23 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         cand = Candidate(topk=topk, ids=ids)
         candidates.append(cand)
         out, body = _combine_point(graph, ids, ipdom, order, asserts)
+        # the ids also used beside the experts (an auxiliary loss, the ids returned): where their routes meet without
+        # those uses, which is at or before the meeting point with them
+        upto = out or exit_node
+        side, quiet, span = _side_uses(ids, asserts, upto)
+        if side or any(n in quiet for n in exit_node.all_input_nodes):
+            # nodes after upto reach only later ones, so their post-dominators stay; ids' chain up to upto
+            # depends on the nodes from ids to upto alone
+            ids_ipdom = collections.ChainMap({}, ipdom)
+            _fill_post_dominators(reversed([ids] + span), ids_ipdom, order, exit_node, asserts | side, quiet)
+            out, body = _combine_point(graph, ids, ids_ipdom, order, asserts)
         if out is None and compiled_because is not None and compiled_because.graph_break and _leaves_graph(ids, True):
             cand.reason = _split_reason(compiled_because)  # values routed by the ids leave the graph at a break
             continue
         if out is None:
-            cand.reason = ("the expert outputs never meet in one [T, d] tensor before the graph's output (the ids are "
-                           "also used outside the expert computation, or an in-place update could not be made "
-                           "functional)")
+            cand.reason = ("the expert outputs never meet in one [T, d] tensor before the graph's output (a value "
+                           "computed from the ids joins them on another path, or an in-place update could not be "
+                           "made functional)")
             continue
         cand.output = out
         capacity = _capacity_bound(body)
@@ -332,10 +383,10 @@ def _num_tokens(ids: fx.Node):
 def _body(graph: fx.Graph, ids: fx.Node, out: fx.Node, order: dict[fx.Node, int], asserts: set[fx.Node]) -> set[fx.Node]:
     """Nodes on a path from ids to out (out included, ids not)."""
     forward = {ids}
-    for node in graph.nodes:
-        if order[node] > order[out]:
-            break
-        if node is not ids and node not in asserts and any(i in forward for i in node.all_input_nodes):
+    node = ids
+    while node is not out:
+        node = node.next
+        if node not in asserts and any(i in forward for i in node.all_input_nodes):
             forward.add(node)
     body = {out}
     stack = [out]
