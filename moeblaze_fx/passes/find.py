@@ -114,13 +114,13 @@ def _fill_post_dominators(nodes: Iterable[fx.Node], ipdom: MutableMapping[fx.Nod
         ipdom[node] = cur
 
 
-def _side_uses(ids: fx.Node, asserts: set[fx.Node], upto: fx.Node
-               ) -> tuple[set[fx.Node], frozenset[fx.Node], list[fx.Node]]:
-    """The routing's uses beside the expert computation, among the nodes from ``ids`` to ``upto``: ``side``,
-    the nodes computed from the ids that lead to no expert product and are computed from none (a load-balancing
-    loss from ``one_hot(ids)``; also indices only the combine reads, which the region's body takes in anyway),
-    and ``quiet``, the nodes computed from the ids and from no expert output, whose edges to the graph's output
-    (the ids returned) are side uses too; and the nodes after ``ids`` up to ``upto`` (the output node left out)."""
+def _side_uses(ids: fx.Node, asserts: set[fx.Node]) -> tuple[set[fx.Node], frozenset[fx.Node], list[fx.Node]]:
+    """The routing's uses beside the expert computation: ``side``, the nodes computed from the ids that neither
+    read an expert output nor lead to a node that does (a load-balancing loss from ``one_hot(ids)``, returned);
+    ``quiet``, the nodes computed from the ids and from no expert output, whose edges to the graph's output (the
+    ids returned) are side uses too; and the nodes after ``ids``, the output node left out. Indices the combine
+    reads (an unsort permutation) lead to an expert output's node and are not side uses: set aside, they would
+    let the search stop before the combine (at the sorted expert outputs, when K = 1)."""
     computed = {ids}
     span = []
     node = ids.next
@@ -128,22 +128,19 @@ def _side_uses(ids: fx.Node, asserts: set[fx.Node], upto: fx.Node
         span.append(node)
         if node not in asserts and any(i in computed for i in node.all_input_nodes):
             computed.add(node)
-        if node is upto:
-            break
         node = node.next
-    products = [n for n in computed if role(n) in ("grouped_mm", "matmul")]
-    after = set(products)
+    after = {n for n in computed if role(n) in ("grouped_mm", "matmul")}
     for node in span:
         if node not in after and any(i in after for i in node.all_input_nodes):
             after.add(node)
-    feeds: set[fx.Node] = set()
-    stack = list(products)
+    leads: set[fx.Node] = set()  # computed from the ids, and an expert output's node is computed from it
+    stack = list(after)
     while stack:
         for i in stack.pop().all_input_nodes:
-            if i in computed and i not in feeds:
-                feeds.add(i)
+            if i in computed and i not in leads:
+                leads.add(i)
                 stack.append(i)
-    return computed - feeds - after - {ids}, frozenset(computed - after), span
+    return computed - leads - after - {ids}, frozenset(computed - after), span
 
 
 def _ids_of(topk: fx.Node) -> Optional[fx.Node]:
@@ -176,6 +173,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
     asserts = assert_only_nodes(graph)
     ipdom, order = _post_dominators(graph, asserts)
     exit_node = next(iter(reversed(graph.nodes)))  # torch 2.11: reversed() gives no iterator
+    last_product = max((order[n] for n in graph.nodes if role(n) in ("grouped_mm", "matmul")), default=-1)
     static: set[fx.Node] = set()
     for node in graph.nodes:
         if _is_static(node, static, params):
@@ -192,20 +190,22 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if ids is None or not any(role(u) == "dispatch" or canonical_name(u) in ("reshape", "view", "flatten", "to")
                                   for u in ids.users):
             continue  # top-k whose indices are not routed: not an MoE
+        at_break = compiled_because is not None and compiled_because.graph_break and _leaves_graph(ids, True)
+        if not at_break and order[topk] > last_product:
+            continue  # no matrix product follows, here or after a break (a load-balancing loss's top-k): not an MoE
         cand = Candidate(topk=topk, ids=ids)
         candidates.append(cand)
         out, body = _combine_point(graph, ids, ipdom, order, asserts)
-        # the ids also used beside the experts (an auxiliary loss, the ids returned): where their routes meet without
-        # those uses, which is at or before the meeting point with them
-        upto = out or exit_node
-        side, quiet, span = _side_uses(ids, asserts, upto)
-        if side or any(n in quiet for n in exit_node.all_input_nodes):
-            # nodes after upto reach only later ones, so their post-dominators stay; ids' chain up to upto
-            # depends on the nodes from ids to upto alone
-            ids_ipdom = collections.ChainMap({}, ipdom)
-            _fill_post_dominators(reversed([ids] + span), ids_ipdom, order, exit_node, asserts | side, quiet)
-            out, body = _combine_point(graph, ids, ids_ipdom, order, asserts)
-        if out is None and compiled_because is not None and compiled_because.graph_break and _leaves_graph(ids, True):
+        if out is None:
+            # the ids may also be used beside the experts (an auxiliary loss, the ids returned), on a path to the
+            # output that meets no expert output: look again without those uses. (With a meeting point found, no
+            # such path exists.) Only the post-dominators from the ids on can change.
+            side, quiet, span = _side_uses(ids, asserts)
+            if side or any(n in quiet for n in exit_node.all_input_nodes):
+                ids_ipdom = collections.ChainMap({}, ipdom)
+                _fill_post_dominators(reversed([ids] + span), ids_ipdom, order, exit_node, asserts | side, quiet)
+                out, body = _combine_point(graph, ids, ids_ipdom, order, asserts)
+        if out is None and at_break:
             cand.reason = _split_reason(compiled_because)  # values routed by the ids leave the graph at a break
             continue
         if out is None:
@@ -380,7 +380,7 @@ def _num_tokens(ids: fx.Node):
     return math.prod(val.shape[:-1]) if val.dim() > 1 else val.shape[0]
 
 
-def _body(graph: fx.Graph, ids: fx.Node, out: fx.Node, order: dict[fx.Node, int], asserts: set[fx.Node]) -> set[fx.Node]:
+def _body(ids: fx.Node, out: fx.Node, asserts: set[fx.Node]) -> set[fx.Node]:
     """Nodes on a path from ids to out (out included, ids not)."""
     forward = {ids}
     node = ids
@@ -407,7 +407,7 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
         val = example_value(node)
         if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 2:
             if same_size(val.numel(), T * val.shape[-1]):
-                body = _body(graph, ids, node, order, asserts)
+                body = _body(ids, node, asserts)
                 if any(role(n) in ("grouped_mm", "matmul") for n in body):
                     return node, body
         node = ipdom[node]

@@ -144,6 +144,30 @@ hidden_states_3 = .reshape(hidden_states_2, 2, 5, 32)
 return (hidden_states_3,)""")
 
 
+class WithLosses(torch.nn.Module):
+    """A training forward: the language-model loss and the router's load-balancing loss, which takes its own top-k
+    of every layer's router probabilities and counts it with one_hot."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        out = self.model(tokens, labels=tokens)
+        return out.logits, out.loss, out.aux_loss
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_load_balancing_loss_is_not_a_candidate(family):
+    """output_router_logits=True: every MoE layer rewritten, the loss's top-k neither rewritten nor reported, and
+    the logits, both losses and every gradient equal to eager."""
+    model = build(family, "grouped_mm", torch.float32)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = 0.02
+    assert run_eager_and_compiled(WithLosses(model), (_tokens(),)) == {"rewritten": LAYERS}
+    assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
+
+
 def test_dynamic_token_count_one_compile(tmp_path):
     """dynamic=True: T is symbolic, one compile serves every sequence length (Inductor's restart of
     the frame does not double-count), and the JSON report holds that one graph."""

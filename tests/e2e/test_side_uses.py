@@ -1,7 +1,7 @@
 """The routing used outside the expert computation as well: a load-balancing loss from the same one-hot mask or a
-fresh one, the ids returned, an auxiliary loss folded into the output after the combine. The region is still the
-expert computation, rewritten, and the side uses still see their values. Ids that change the experts' input are a
-different function: left alone."""
+fresh one, or the ids, returned beside the output. The region is still the expert computation, rewritten, and the
+side uses still see their values; also with top-1 routing and sorted tokens, where the unsort permutation must stay
+in the region. Ids that change the experts' input, or a loss folded into the output, are left alone."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,43 @@ class SideUseMoE(ModuleListMoE):
         return out
 
 
-@pytest.mark.parametrize("side", ["aux-same-mask", "aux-own-mask", "aux-in-output", "ids-returned"])
+class SortedTop1(torch.nn.Module):
+    """Top-1 routing, tokens sorted by expert, experts as bmm over gathered weights, the routing weight on the
+    hidden activation, the outputs unsorted at the end; optionally a load-balancing loss returned beside them. With
+    K = 1 the sorted expert outputs are [T, d] too: a search that set aside the unsort permutation (read only by the
+    combine) would stop there."""
+
+    def __init__(self, aux: bool, d=16, h=24, E=4):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, E, bias=False)
+        self.w_gate_up = torch.nn.Parameter(torch.randn(E, 2 * h, d) * 0.3)
+        self.w_down = torch.nn.Parameter(torch.randn(E, d, h) * 0.3)
+        self.aux, self.E = aux, E
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), -1)
+        w, ids = torch.topk(probs, 1)
+        flat = ids.view(-1)
+        perm = flat.argsort()
+        xs, es = x[perm], flat[perm]
+        g, u = torch.bmm(self.w_gate_up[es], xs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+        ys = torch.bmm(self.w_down[es], (F.silu(g) * u * w.view(-1)[perm, None]).unsqueeze(-1)).squeeze(-1)
+        out = ys[perm.argsort()]
+        if self.aux:
+            return out, (F.one_hot(flat, self.E).float().mean(0) * probs.mean(0)).sum()
+        return out
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("aux", [False, True], ids=["alone", "aux-returned"])
+def test_top1_sorted_tokens_combine_after_the_unsort(aux, verify):
+    torch.manual_seed(0)
+    x = torch.randn(12, 16, requires_grad=True)
+    assert run_eager_and_compiled(SortedTop1(aux), (x,), options={"inductor": False, "verify": verify}) == {
+        "rewritten": 1}
+
+
+@pytest.mark.parametrize("side", ["aux-same-mask", "aux-own-mask", "ids-returned"])
 def test_routing_used_beside_the_experts_is_rewritten(side):
     torch.manual_seed(0)
     assert run_eager_and_compiled(SideUseMoE(side), (_x(),)) == {"rewritten": 1}
@@ -55,8 +91,38 @@ def test_routing_used_beside_the_experts_through_inductor():
     assert run_eager_and_compiled(SideUseMoE("aux-same-mask"), (_x(),), options={}) == {"rewritten": 1}
 
 
-def test_ids_that_change_the_experts_input_are_left_alone():
+@pytest.mark.parametrize("side,reason", [("ids-scale-input", "differs from the MoE operator"),
+                                         ("aux-in-output", "expected the region to read tokens [T, d] and combine")])
+def test_routing_that_changes_the_function_is_left_alone(side, reason):
+    """The tokens scaled by their routing; a loss from the routing multiplied into the output (it meets the expert
+    outputs, so the region would end after it)."""
     torch.manual_seed(0)
-    assert run_eager_and_compiled(SideUseMoE("ids-scale-input"), (_x(),)) == {"skipped": 1}
+    assert run_eager_and_compiled(SideUseMoE(side), (_x(),)) == {"skipped": 1}
     (record,) = moeblaze_fx.last_report()
-    assert record.status == "skipped" and "differs from the MoE operator" in record.reason
+    assert record.status == "skipped" and reason in record.reason
+
+
+class DenseGated(torch.nn.Module):
+    """Every expert on every token, combined through a gate matrix from one_hot(ids): a different function from the
+    operator (experts run on tokens not routed to them), with the routing read only after the products."""
+
+    def __init__(self, d=16, h=24, E=4, K=2):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, E, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(E, h, d) * 0.2)
+        self.w2 = torch.nn.Parameter(torch.randn(E, d, h) * 0.2)
+        self.K, self.E = K, E
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.gate(x), -1), self.K)
+        gates = (F.one_hot(ids, self.E) * w[..., None]).sum(1)
+        ys = torch.einsum("teh,edh->ted", F.silu(torch.einsum("td,ehd->teh", x, self.w1)), self.w2)
+        return (gates[..., None] * ys).sum(1)
+
+
+def test_an_moe_that_cannot_be_rewritten_is_still_reported():
+    """A top-k is dropped as "not an MoE" only when no matrix product follows it (a load-balancing loss's); this
+    block's products follow its top-k though its ids reach none of them, and it is reported as left alone."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(DenseGated(), (torch.randn(10, 16, requires_grad=True),)) == {"skipped": 1}
+    assert [r.status for r in moeblaze_fx.last_report()] == ["skipped"]
