@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import re
 import traceback
@@ -54,6 +55,9 @@ def _short_path(frame: str) -> str:
     return frame[len(cwd):] if frame.startswith(cwd) else frame
 
 
+_OPERATOR_DUNDER = re.compile(r"__[a-z]+__")
+
+
 def format_graph(gm: fx.GraphModule) -> str:
     """One line per node, parameters named by module path: the form golden tests compare."""
     names = {n: _display_name(n.name) if n.op == "placeholder" else n.name for n in gm.graph.nodes}
@@ -76,7 +80,9 @@ def format_graph(gm: fx.GraphModule) -> str:
         if n.op == "output":
             lines.append(f"return {arg(n.args[0])}")
             continue
-        if n.op == "call_method":
+        if n.op == "call_method" and _OPERATOR_DUNDER.fullmatch(n.target) and hasattr(operator, n.target[2:-2]):
+            target = f"operator.{n.target[2:-2]}"  # `a == b`: torch 2.11's Dynamo records .__eq__, 2.13's operator.eq
+        elif n.op == "call_method":
             target = f".{n.target}"
         elif n.op == "get_attr":
             target = f"self.{n.target}"

@@ -1,4 +1,6 @@
 """The normalizer: one vocabulary of roles, in-place updates made functional, nothing else changed."""
+import operator
+
 import expecttest
 import torch
 import torch.nn.functional as F
@@ -81,3 +83,17 @@ return (add,)""")
         gm = normalize(_graph(mutates_a_view, x))
         self.assertIn("add_", [str(n.target) for n in gm.graph.nodes])
         torch.testing.assert_close(gm(x)[0], mutates_a_view(x))
+
+
+def test_format_graph_spells_operators_one_way():
+    """`a == b` is a call_method __eq__ under torch 2.11's Dynamo and operator.eq under 2.13: golden graphs read the
+    same on both."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    a = g.placeholder("a")
+    eq = g.call_method("__eq__", (a, 0))
+    g.output((eq, g.call_function(operator.eq, (a, 1)), g.call_method("masked_fill", (a, eq, 0))))
+    assert format_graph(fx.GraphModule(torch.nn.Module(), g)).splitlines()[1:] == [
+        "eq = operator.eq(a, 0)", "eq_1 = operator.eq(a, 1)", "masked_fill = .masked_fill(a, eq, 0)",
+        "return (eq, eq_1, masked_fill)"]
