@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import operator
 import os
 import re
 from collections.abc import Iterable, MutableMapping
@@ -60,6 +61,24 @@ class Candidate:
     inputs: list[fx.Node] = dataclasses.field(default_factory=list)  # external inputs, graph order
     asserts: list[fx.Node] = dataclasses.field(default_factory=list)  # runtime asserts guarding the body
     reason: Optional[str] = None  # why it cannot be a region, when it cannot
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    {"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+     "irshift"})
+
+
+def _mutates(node: fx.Node) -> bool:
+    """An in-place update left after normalize (which makes those of fresh tensors functional): of a graph input
+    or a view of one. ``x.add_(y)``, ``x[i] = v``, ``x += y``; not ``operator.and_`` (``a & b``)."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return False
+    if not isinstance(example_value(node.args[0]) if isinstance(node.args[0], fx.Node) else None, torch.Tensor):
+        return False
+    name = canonical_name(node)
+    if name in _IN_PLACE_OPERATORS or name == "setitem":
+        return True
+    return name.endswith("_") and not hasattr(operator, name)  # operator.and_ (a & b) is no update
 
 
 def _dead(node: fx.Node) -> bool:
@@ -129,6 +148,8 @@ def _side_uses(ids: fx.Node, asserts: set[fx.Node]) -> tuple[set[fx.Node], froze
         if node not in asserts and any(i in computed for i in node.all_input_nodes):
             computed.add(node)
         node = node.next
+    if any(_mutates(n) for n in computed):  # it changes what later nodes read without an edge to them
+        return set(), frozenset(), span
     after = {n for n in computed if role(n) in ("grouped_mm", "matmul")}
     for node in span:
         if node not in after and any(i in after for i in node.all_input_nodes):
@@ -214,6 +235,12 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
                            "made functional)")
             continue
         cand.output = out
+        mutation = next((n for n in _between(ids, out) if n not in asserts and _mutates(n)), None)
+        if mutation is not None:
+            cand.reason = (f"an in-place update ({canonical_name(mutation)}, node {mutation.name}) runs between the "
+                           "routing and the combine; the operator, which runs at the combine, would read its inputs "
+                           "after it")
+            continue
         capacity = _capacity_bound(body)
         if capacity is not None:
             cand.reason = _capacity_reason(*capacity)
@@ -378,6 +405,14 @@ def _capacity_reason(compare: fx.Node, bound) -> str:
 def _num_tokens(ids: fx.Node):
     val = example_value(ids)
     return math.prod(val.shape[:-1]) if val.dim() > 1 else val.shape[0]
+
+
+def _between(first: fx.Node, last: fx.Node) -> Iterable[fx.Node]:
+    """The nodes after ``first`` up to ``last``, in graph order."""
+    node = first
+    while node is not last:
+        node = node.next
+        yield node
 
 
 def _body(ids: fx.Node, out: fx.Node, asserts: set[fx.Node]) -> set[fx.Node]:

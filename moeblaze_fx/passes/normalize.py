@@ -98,7 +98,11 @@ def canonical_name(node: fx.Node) -> str:
     ``aten.topk.default`` are all ``"topk"``; a library's custom op keeps its namespace."""
     target = node.target
     if node.op == "call_method":
-        return str(target)
+        name = str(target)
+        if len(name) > 4 and name.startswith("__") and name.endswith("__"):  # torch 2.11 records ids == e as
+            op = name[2:-2]  # .__eq__: the name of the operator function (operator.eq, operator.and_, ...)
+            return op if hasattr(operator, op) else f"{op}_" if hasattr(operator, f"{op}_") else name
+        return name
     if node.op != "call_function":
         return node.op
     if isinstance(target, torch._ops.OpOverload):

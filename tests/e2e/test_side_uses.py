@@ -126,3 +126,42 @@ def test_an_moe_that_cannot_be_rewritten_is_still_reported():
     torch.manual_seed(0)
     assert run_eager_and_compiled(DenseGated(), (torch.randn(10, 16, requires_grad=True),)) == {"skipped": 1}
     assert [r.status for r in moeblaze_fx.last_report()] == ["skipped"]
+
+
+class MutatesTokens(ModuleListMoE):
+    """A per-expert loop that also updates its input tokens in place after each expert: each expert reads the tokens
+    as the earlier ones left them, which one operator call at the combine cannot do."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.gate(x), dim=-1), self.K, dim=-1)
+        mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            k, tok = torch.where(mask[e])
+            out = out.index_add(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+            if self.how == "index_fill_":  # reads the routing
+                x.index_fill_(0, tok, 0.0)
+            elif self.how == "setitem":
+                x[tok] *= 0.5
+            elif self.how == "iadd":  # does not read it: operator.iadd on the input
+                x += 1.0
+            else:
+                x.mul_(0.5)
+        return out
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("how", ["index_fill_", "setitem", "iadd", "mul_"])
+def test_tokens_updated_in_place_inside_the_region_are_left_alone(how, verify):
+    torch.manual_seed(0)
+    model, x = MutatesTokens(how), torch.randn(10, 16)
+    want = model(x.clone())
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="moeblaze", fullgraph=True, options={"inductor": False, "verify": verify})(
+        x.clone())
+    assert [r.status for r in moeblaze_fx.last_report()] == ["skipped"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -97,3 +97,17 @@ def test_format_graph_spells_operators_one_way():
     assert format_graph(fx.GraphModule(torch.nn.Module(), g)).splitlines()[1:] == [
         "eq = operator.eq(a, 0)", "eq_1 = operator.eq(a, 1)", "masked_fill = .masked_fill(a, eq, 0)",
         "return (eq, eq_1, masked_fill)"]
+
+
+def test_dunder_methods_have_the_operator_names():
+    """torch 2.11's Dynamo records ``ids == e`` and ``a & b`` as .__eq__ / .__and__ method calls, 2.13's as
+    operator.eq / operator.and_: one name each, so the vocabulary covers both."""
+    import torch.fx as fx
+
+    from moeblaze_fx.passes.normalize import canonical_name
+
+    g = fx.Graph()
+    a = g.placeholder("a")
+    nodes = [g.call_method(m, (a, 0)) for m in ("__eq__", "__and__", "__iadd__", "__custom__", "eq")]
+    nodes.append(g.call_function(operator.eq, (a, 0)))
+    assert [canonical_name(n) for n in nodes] == ["eq", "and_", "iadd", "__custom__", "eq", "eq"]
