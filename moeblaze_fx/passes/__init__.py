@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import os
 import re
 import traceback
@@ -19,7 +18,7 @@ from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import example_value, find_candidates, size_hint
-from .normalize import normalize
+from .normalize import normalize, operator_name
 from .prove import Proof, prove
 from .rewrite import rewrite
 
@@ -55,9 +54,6 @@ def _short_path(frame: str) -> str:
     return frame[len(cwd):] if frame.startswith(cwd) else frame
 
 
-_OPERATOR_DUNDER = re.compile(r"__[a-z]+__")
-
-
 def format_graph(gm: fx.GraphModule) -> str:
     """One line per node, parameters named by module path: the form golden tests compare."""
     names = {n: _display_name(n.name) if n.op == "placeholder" else n.name for n in gm.graph.nodes}
@@ -80,8 +76,8 @@ def format_graph(gm: fx.GraphModule) -> str:
         if n.op == "output":
             lines.append(f"return {arg(n.args[0])}")
             continue
-        if n.op == "call_method" and _OPERATOR_DUNDER.fullmatch(n.target) and hasattr(operator, n.target[2:-2]):
-            target = f"operator.{n.target[2:-2]}"  # `a == b`: torch 2.11's Dynamo records .__eq__, 2.13's operator.eq
+        if n.op == "call_method" and operator_name(n.target):  # `a == b` prints the same on torch 2.11 and 2.13
+            target = f"operator.{operator_name(n.target)}"
         elif n.op == "call_method":
             target = f".{n.target}"
         elif n.op == "get_attr":

@@ -32,7 +32,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Optional
 
 import torch
@@ -85,8 +85,7 @@ def _dead(node: fx.Node) -> bool:
     """An unused node without side effects (a mask a loop computed and did not use)."""
     if node.users or node.op not in ("call_function", "call_method"):
         return False
-    name = canonical_name(node)
-    return not (name.endswith("_") or name == "setitem" or node.is_impure())
+    return not (_mutates(node) or node.is_impure())
 
 
 def assert_only_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -133,34 +132,23 @@ def _fill_post_dominators(nodes: Iterable[fx.Node], ipdom: MutableMapping[fx.Nod
         ipdom[node] = cur
 
 
-def _side_uses(ids: fx.Node, asserts: set[fx.Node]) -> tuple[set[fx.Node], frozenset[fx.Node], list[fx.Node]]:
+def _side_uses(ids: fx.Node, exit_node: fx.Node, asserts: set[fx.Node]
+               ) -> tuple[set[fx.Node], frozenset[fx.Node], list[fx.Node]]:
     """The routing's uses beside the expert computation: ``side``, the nodes computed from the ids that neither
     read an expert output nor lead to a node that does (a load-balancing loss from ``one_hot(ids)``, returned);
     ``quiet``, the nodes computed from the ids and from no expert output, whose edges to the graph's output (the
     ids returned) are side uses too; and the nodes after ``ids``, the output node left out. Indices the combine
     reads (an unsort permutation) lead to an expert output's node and are not side uses: set aside, they would
     let the search stop before the combine (at the sorted expert outputs, when K = 1)."""
-    computed = {ids}
-    span = []
-    node = ids.next
-    while node.op != "output":
-        span.append(node)
-        if node not in asserts and any(i in computed for i in node.all_input_nodes):
-            computed.add(node)
-        node = node.next
+    span = list(_between(ids, exit_node))[:-1]
+    computed = _computed_from(ids, exit_node, asserts) - {exit_node}
     if any(_mutates(n) for n in computed):  # it changes what later nodes read without an edge to them
         return set(), frozenset(), span
     after = {n for n in computed if role(n) in ("grouped_mm", "matmul")}
     for node in span:
         if node not in after and any(i in after for i in node.all_input_nodes):
             after.add(node)
-    leads: set[fx.Node] = set()  # computed from the ids, and an expert output's node is computed from it
-    stack = list(after)
-    while stack:
-        for i in stack.pop().all_input_nodes:
-            if i in computed and i not in leads:
-                leads.add(i)
-                stack.append(i)
+    leads = _reach(after, _inputs, computed)  # computed from the ids, and an expert output's node from them
     return computed - leads - after - {ids}, frozenset(computed - after), span
 
 
@@ -221,7 +209,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             # the ids may also be used beside the experts (an auxiliary loss, the ids returned), on a path to the
             # output that meets no expert output: look again without those uses. (With a meeting point found, no
             # such path exists.) Only the post-dominators from the ids on can change.
-            side, quiet, span = _side_uses(ids, asserts)
+            side, quiet, span = _side_uses(ids, exit_node, asserts)
             if side or any(n in quiet for n in exit_node.all_input_nodes):
                 ids_ipdom = collections.ChainMap({}, ipdom)
                 _fill_post_dominators(reversed([ids] + span), ids_ipdom, order, exit_node, asserts | side, quiet)
@@ -254,14 +242,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             (a for a in asserts if any(i in body for i in a.all_input_nodes)), key=order.__getitem__
         )
         # close the assert set over assert-only chains (sym_size -> ge -> _assert_scalar)
-        pending = list(cand.asserts)
-        seen = set(pending)
-        while pending:
-            for u in pending.pop().users:
-                if u in asserts and u not in seen:
-                    seen.add(u)
-                    pending.append(u)
-        cand.asserts = sorted(seen, key=order.__getitem__)
+        cand.asserts = sorted(set(cand.asserts) | _reach(cand.asserts, _users, asserts), key=order.__getitem__)
     return candidates
 
 
@@ -415,22 +396,39 @@ def _between(first: fx.Node, last: fx.Node) -> Iterable[fx.Node]:
         yield node
 
 
+def _computed_from(ids: fx.Node, last: fx.Node, asserts: set[fx.Node]) -> set[fx.Node]:
+    """``ids`` and the nodes after it up to ``last`` that read one of them (asserts left out)."""
+    computed = {ids}
+    for node in _between(ids, last):
+        if node not in asserts and any(i in computed for i in node.all_input_nodes):
+            computed.add(node)
+    return computed
+
+
+def _inputs(node: fx.Node) -> Iterable[fx.Node]:
+    return node.all_input_nodes
+
+
+def _users(node: fx.Node) -> Iterable[fx.Node]:
+    return node.users
+
+
+def _reach(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], within: set[fx.Node]
+           ) -> set[fx.Node]:
+    """The nodes of ``within`` that ``step`` (``_inputs`` or ``_users``) leads to from ``starts``, transitively."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        for n in step(stack.pop()):
+            if n in within and n not in seen:
+                seen.add(n)
+                stack.append(n)
+    return seen
+
+
 def _body(ids: fx.Node, out: fx.Node, asserts: set[fx.Node]) -> set[fx.Node]:
     """Nodes on a path from ids to out (out included, ids not)."""
-    forward = {ids}
-    node = ids
-    while node is not out:
-        node = node.next
-        if node not in asserts and any(i in forward for i in node.all_input_nodes):
-            forward.add(node)
-    body = {out}
-    stack = [out]
-    while stack:
-        for i in stack.pop().all_input_nodes:
-            if i in forward and i not in body and i is not ids:
-                body.add(i)
-                stack.append(i)
-    return body
+    return {out} | _reach([out], _inputs, _computed_from(ids, out, asserts) - {ids})
 
 
 def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node], set[fx.Node]]:

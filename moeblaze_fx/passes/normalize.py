@@ -93,16 +93,21 @@ def functional_setitem(base: torch.Tensor, index: Any, value: Any) -> torch.Tens
     return out
 
 
+def operator_name(method: str) -> Optional[str]:
+    """The ``operator`` function a dunder method stands for (``__eq__`` -> ``"eq"``, ``__and__`` -> ``"and_"``),
+    else None: torch 2.11's Dynamo records ``ids == e`` as the method call ``.__eq__``, 2.13's as ``operator.eq``."""
+    if len(method) <= 4 or not (method.startswith("__") and method.endswith("__")):
+        return None
+    op = method[2:-2]
+    return op if hasattr(operator, op) else f"{op}_" if hasattr(operator, f"{op}_") else None
+
+
 def canonical_name(node: fx.Node) -> str:
     """The spelling-independent name of what a node calls: ``torch.topk``, ``x.topk`` and
     ``aten.topk.default`` are all ``"topk"``; a library's custom op keeps its namespace."""
     target = node.target
     if node.op == "call_method":
-        name = str(target)
-        if len(name) > 4 and name.startswith("__") and name.endswith("__"):  # torch 2.11 records ids == e as
-            op = name[2:-2]  # .__eq__: the name of the operator function (operator.eq, operator.and_, ...)
-            return op if hasattr(operator, op) else f"{op}_" if hasattr(operator, f"{op}_") else name
-        return name
+        return operator_name(str(target)) or str(target)
     if node.op != "call_function":
         return node.op
     if isinstance(target, torch._ops.OpOverload):
