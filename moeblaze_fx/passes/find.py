@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .normalize import canonical_name, example_value, role
+from .normalize import canonical_name, example_value, role, shares_storage
 
 __all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "example_value", "size_hint"]
 
@@ -79,6 +79,24 @@ def _mutates(node: fx.Node) -> bool:
     if name in _IN_PLACE_OPERATORS or name == "setitem":
         return True
     return name.endswith("_") and not hasattr(operator, name)  # operator.and_ (a & b) is no update
+
+
+def _update_of_read(body: set[fx.Node], ids: fx.Node, out: fx.Node, asserts: set[fx.Node],
+                    order: dict[fx.Node, int]) -> Optional[fx.Node]:
+    """The first in-place update, from the region's first node to its output, that the operator (run at the output,
+    reading its inputs then) would not see as the region saw it: one inside the region, or of a tensor sharing
+    storage with one the region reads (a token, a weight, a view of them). An update of a tensor the region never
+    reads (a step counter, a routing statistic) is not one."""
+    read = [example_value(n) for n in body | {i for n in body for i in n.all_input_nodes}]
+    read = [v for v in read if isinstance(v, torch.Tensor)]
+    first = min(body | {ids}, key=order.__getitem__)
+    for node in _between(first.prev, out):
+        if node in asserts or not _mutates(node):
+            continue
+        target = example_value(node.args[0])
+        if node in body or not isinstance(target, torch.Tensor) or any(shares_storage(target, v) for v in read):
+            return node
+    return None
 
 
 def _dead(node: fx.Node) -> bool:
@@ -142,8 +160,6 @@ def _side_uses(ids: fx.Node, exit_node: fx.Node, asserts: set[fx.Node]
     let the search stop before the combine (at the sorted expert outputs, when K = 1)."""
     span = list(_between(ids, exit_node))[:-1]
     computed = _computed_from(ids, exit_node, asserts) - {exit_node}
-    if any(_mutates(n) for n in computed):  # it changes what later nodes read without an edge to them
-        return set(), frozenset(), span
     after = {n for n in computed if role(n) in ("grouped_mm", "matmul")}
     for node in span:
         if node not in after and any(i in after for i in node.all_input_nodes):
@@ -223,18 +239,18 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
                            "made functional)")
             continue
         cand.output = out
-        mutation = next((n for n in _between(ids, out) if n not in asserts and _mutates(n)), None)
-        if mutation is not None:
-            cand.reason = (f"an in-place update ({canonical_name(mutation)}, node {mutation.name}) runs between the "
-                           "routing and the combine; the operator, which runs at the combine, would read its inputs "
-                           "after it")
-            continue
         capacity = _capacity_bound(body)
         if capacity is not None:
             cand.reason = _capacity_reason(*capacity)
             continue
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
         _push_out_weights(body, ids)
+        mutation = _update_of_read(body, ids, out, asserts, order)
+        if mutation is not None:
+            cand.reason = (f"an in-place update ({canonical_name(mutation)}, node {mutation.name}) of a tensor the "
+                           "region reads runs between the routing and the combine; the operator, which runs at the "
+                           "combine, would read it after the update")
+            continue
         cand.nodes = sorted(body, key=order.__getitem__)
         external = {i for n in body for i in n.all_input_nodes if i not in body}
         cand.inputs = sorted(external, key=order.__getitem__)

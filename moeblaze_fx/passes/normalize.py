@@ -9,8 +9,9 @@ Two things happen here, both driven by the tables below (a new spelling is a new
 * **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
   ``inv[perm] = arange``, ``w /= s``) become their out-of-place forms, and later readers of the
   mutated tensor read the new value instead. Data flow is then visible in the def-use edges, which
-  is what ``find`` walks. A mutation of a graph input or of a tensor with live views is left as is
-  (the region around it will then not be found, and is left alone).
+  is what ``find`` walks. A mutation of a graph input or of a tensor with live views (by name, or by
+  the storage its recorded value shares) is left as is; ``find`` leaves a region alone when such an
+  update touches what the region reads.
 
 The rewrite preserves the function exactly: a functional update followed by rewired readers
 computes what the in-place update did.
@@ -22,8 +23,10 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["canonical_name", "example_value", "role", "normalize", "functional_setitem", "ROLE_OF", "ASSERT_NAMES"]
+__all__ = ["canonical_name", "example_value", "role", "normalize", "functional_setitem", "shares_storage", "ROLE_OF",
+           "ASSERT_NAMES"]
 
 # --- the vocabulary --------------------------------------------------------------------------
 ROLE_OF: dict[str, str] = {
@@ -138,13 +141,27 @@ def _role_of(node: fx.Node) -> Optional[str]:
     return ROLE_OF.get(name)
 
 
+def shares_storage(a: Any, b: Any) -> bool:
+    """True when two recorded values are tensors over one storage (Dynamo's fake tensors keep the aliasing of the
+    real ones: a view, ``x.to(x.dtype)``, an in-place update's result)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
+
+
 def _is_view(node: fx.Node) -> bool:
     """True when a node's result may share storage with its first input."""
     name = canonical_name(node)
     if name in _VIEW_NAMES:
         return True
-    if name != "getitem" or isinstance(example_value(node.args[0]), (tuple, list)):
-        return False  # an element of an op's tuple output (topk values, sort indices, ...) is no view
+    piece = name == "getitem" and isinstance(example_value(node.args[0]), (tuple, list))
+    producer = node.args[0] if piece else node  # x.chunk(2)[0]: a piece of what chunk made from x
+    if any(shares_storage(example_value(node), example_value(s)) for s in producer.all_input_nodes):
+        return True  # a view by its recorded value, whatever its spelling
+    if piece:
+        return canonical_name(producer) in _VIEW_NAMES  # a piece of split/chunk/unbind; not topk's values
+    if name != "getitem":
+        return False
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     # advanced indexing with a tensor copies; basic indexing returns a view
     return not any(isinstance(example_value(i), torch.Tensor) for i in index)
@@ -172,6 +189,15 @@ def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
     return None
 
 
+def _fresh_like(value: Any) -> Any:
+    """A fake tensor like ``value`` over a new storage: the functional update's result aliases nothing."""
+    mode = getattr(value, "fake_mode", None)
+    if mode is None:
+        return value
+    with mode:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
 def _functionalize(graph: fx.Graph) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = 0
@@ -190,8 +216,8 @@ def _functionalize(graph: fx.Graph) -> int:
             new = graph.create_node(kind, target, node.args, node.kwargs, name=f"{node.name}_functional")
         new.meta = dict(node.meta)
         example = example_value(base)
-        if example is not None:
-            new.meta["example_value"] = example  # same shape, dtype and device as the updated tensor
+        if example is not None:  # same shape, strides, dtype and device as the updated tensor, in a storage of its own
+            new.meta["example_value"] = _fresh_like(example)
         node.replace_all_uses_with(new)
         for user in list(base.users):
             if user is not new and order.get(user, -1) > order[node]:

@@ -149,13 +149,17 @@ class MutatesTokens(ModuleListMoE):
                 x[tok] *= 0.5
             elif self.how == "iadd":  # does not read it: operator.iadd on the input
                 x += 1.0
+            elif self.how == "view":  # through a view of the tokens
+                x.view(-1)[:5].mul_(0.5)
+            elif self.how == "chunk":  # through a piece of x.chunk: normalize must not take it for a fresh tensor
+                x.chunk(2)[0].mul_(0.5)
             else:
                 x.mul_(0.5)
         return out
 
 
 @pytest.mark.parametrize("verify", [True, False])
-@pytest.mark.parametrize("how", ["index_fill_", "setitem", "iadd", "mul_"])
+@pytest.mark.parametrize("how", ["index_fill_", "setitem", "iadd", "mul_", "view", "chunk"])
 def test_tokens_updated_in_place_inside_the_region_are_left_alone(how, verify):
     torch.manual_seed(0)
     model, x = MutatesTokens(how), torch.randn(10, 16)
@@ -165,3 +169,59 @@ def test_tokens_updated_in_place_inside_the_region_are_left_alone(how, verify):
         x.clone())
     assert [r.status for r in moeblaze_fx.last_report()] == ["skipped"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class UpdatesState(ModuleListMoE):
+    """A per-expert loop that also updates module state the experts never read: a step counter, tokens counted per
+    expert. The operator at the combine computes what the loop did, and the updates still happen, in their order."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("counts", torch.zeros(self.E))
+
+    def forward(self, hidden):
+        x = hidden.view(-1, hidden.shape[-1])
+        w, ids = torch.topk(F.softmax(self.gate(x), dim=-1), self.K, dim=-1)
+        mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            k, tok = torch.where(mask[e])
+            out = out.index_add(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+            if self.how == "counter" and e == 0:  # reads nothing of the routing
+                self.calls += 1
+            elif self.how == "per-expert-count":  # reads the routing: a side use that updates in place
+                self.counts[e] += tok.numel()
+            elif self.how == "mask-count" and e == 0:
+                self.counts.add_(mask.sum((1, 2)).float())
+        return out.view(hidden.shape)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("how", ["counter", "per-expert-count", "mask-count"])
+def test_updates_of_state_the_region_does_not_read_are_kept(how, verify):
+    torch.manual_seed(0)
+    model = UpdatesState(how)
+    eager = UpdatesState(how)
+    eager.load_state_dict(model.state_dict())
+    x = _x()
+    for _ in range(2):
+        want = eager(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moeblaze", fullgraph=True,
+                             options={"inductor": False, "verify": verify})
+    for _ in range(2):
+        got = compiled(x)
+    assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"]
+    torch.testing.assert_close(got, want)
+    assert torch.equal(model.calls, eager.calls) and torch.equal(model.counts, eager.counts)
+    assert model.calls.item() == (2 if how == "counter" else 0) and model.counts.sum().item() == (
+        0 if how == "counter" else 2 * x[..., 0].numel() * model.K)
+
+
+def test_updates_of_state_with_gradients_through_inductor():
+    torch.manual_seed(0)
+    model = UpdatesState("per-expert-count")
+    assert run_eager_and_compiled(model, (_x(),), options={}) == {"rewritten": 1}
+    assert model.counts.sum().item() == 2 * 10 * model.K  # 10 tokens, in the eager step and the compiled one

@@ -2,6 +2,7 @@
 import operator
 
 import expecttest
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +84,37 @@ return (add,)""")
         gm = normalize(_graph(mutates_a_view, x))
         self.assertIn("add_", [str(n.target) for n in gm.graph.nodes])
         torch.testing.assert_close(gm(x)[0], mutates_a_view(x))
+
+
+def mutates_a_piece(x):
+    out = x.clone()  # fresh
+    out.chunk(2)[0].mul_(2)  # a piece of a tuple of views: updates out
+    return out
+
+
+def mutates_a_no_op_cast(x):
+    out = x.clone()  # fresh
+    same = out.to(out.dtype)  # out itself: no name says view, the recorded values share a storage
+    same.add_(1)
+    return out
+
+
+def updates_twice(x):
+    out = x.clone()
+    out.add_(1)  # made functional; the second update reads the first's result, a tensor of its own
+    out.mul_(2)
+    return out
+
+
+@pytest.mark.parametrize("fn,kept", [(mutates_a_piece, ["mul_"]), (mutates_a_no_op_cast, ["add_"]),
+                                     (updates_twice, [])])
+def test_updates_of_aliases_stay_in_place(fn, kept):
+    """An update of a tensor that shares the updated one's storage stays in place, however the alias is spelled;
+    updates of fresh tensors, one after another, are all made functional."""
+    x = torch.randn(4, 3)
+    gm = normalize(_graph(fn, x))
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_method" and n.target.endswith("_")] == kept
+    torch.testing.assert_close(gm(x)[0], fn(x), rtol=0, atol=0)
 
 
 def test_format_graph_spells_operators_one_way():
