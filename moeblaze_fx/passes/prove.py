@@ -66,6 +66,18 @@ def _rel_error(a: Optional[torch.Tensor], b: Optional[torch.Tensor], like: torch
     return (a - b).norm().item() / denom
 
 
+def _strided_like(val: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` in ``val``'s dtype and shape, and its strides where they are dense (the region may view its inputs
+    as the traced ones allow: ``ids.view(-1)`` needs contiguous ids, as topk's are)."""
+    shape, stride = _concrete_shape(val), [size_hint(s) for s in val.stride()]
+    expected = 1
+    for size, step in sorted(zip(shape, stride), key=lambda p: p[1]):
+        if size != 1 and step != expected:  # overlapping or with gaps: contiguous instead
+            return data.to(val.dtype).reshape(shape).contiguous()
+        expected *= size
+    return torch.empty_strided(shape, stride, dtype=val.dtype, device=data.device).copy_(data.reshape(shape))
+
+
 def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: torch.Generator):
     x_val = example_value(ext.x)
     device = x_val.device
@@ -75,11 +87,11 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
         val = example_value(node)
         if node is ext.ids:
             choice = torch.rand(T, ext.E, generator=gen, device=device).argsort(dim=1)[:, : ext.K]
-            values[node] = choice.to(val.dtype).reshape(_concrete_shape(val))
+            values[node] = _strided_like(val, choice)
         elif node is ext.x:
-            values[node] = torch.randn(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
+            values[node] = _strided_like(val, torch.randn(_concrete_shape(val), generator=gen, device=device))
         elif node is ext.weights:
-            values[node] = torch.rand(_concrete_shape(val), generator=gen, device=device).to(val.dtype)
+            values[node] = _strided_like(val, torch.rand(_concrete_shape(val), generator=gen, device=device))
         elif isinstance(real.get(node, val), torch.SymInt):
             values[node] = size_hint(real.get(node, val))
         elif node in real:

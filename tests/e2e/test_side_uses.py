@@ -79,6 +79,29 @@ def test_top1_sorted_tokens_combine_after_the_unsort(aux, verify):
         "rewritten": 1}
 
 
+class SortedTop2(SortedTop1):
+    """The same with K = 2: tokens repeated per choice, outputs summed over the choices. ``ids.view(-1)`` needs
+    contiguous ids, as topk gives: the proof's random ids must be laid out as the traced ones."""
+
+    def forward(self, x):
+        K, d = 2, x.shape[-1]
+        w, ids = torch.topk(F.softmax(self.gate(x), -1), K)
+        flat = ids.view(-1)
+        perm = flat.argsort()
+        xs, es = x.repeat_interleave(K, 0)[perm], flat[perm]
+        g, u = torch.bmm(self.w_gate_up[es], xs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+        ys = torch.bmm(self.w_down[es], (F.silu(g) * u * w.view(-1)[perm, None]).unsqueeze(-1)).squeeze(-1)
+        return ys[perm.argsort()].view(-1, K, d).sum(1)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_top2_sorted_tokens_with_flat_ids_view(verify):
+    torch.manual_seed(0)
+    x = torch.randn(12, 16, requires_grad=True)
+    assert run_eager_and_compiled(SortedTop2(False), (x,), options={"inductor": False, "verify": verify}) == {
+        "rewritten": 1}
+
+
 @pytest.mark.parametrize("side", ["aux-same-mask", "aux-own-mask", "ids-returned"])
 def test_routing_used_beside_the_experts_is_rewritten(side):
     torch.manual_seed(0)
