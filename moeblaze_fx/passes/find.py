@@ -68,17 +68,28 @@ _IN_PLACE_OPERATORS = frozenset(
      "irshift"})
 
 
-def _mutates(node: fx.Node) -> bool:
-    """An in-place update left after normalize (which makes those of fresh tensors functional): of a graph input
-    or a view of one. ``x.add_(y)``, ``x[i] = v``, ``x += y``; not ``operator.and_`` (``a & b``)."""
-    if node.op not in ("call_function", "call_method") or not node.args:
-        return False
-    if not isinstance(example_value(node.args[0]) if isinstance(node.args[0], fx.Node) else None, torch.Tensor):
-        return False
-    name = canonical_name(node)
-    if name in _IN_PLACE_OPERATORS or name == "setitem":
-        return True
-    return name.endswith("_") and not hasattr(operator, name)  # operator.and_ (a & b) is no update
+def _updated(node: fx.Node) -> list[fx.Node]:
+    """The tensors a node updates in place, left after normalize (which makes updates of tensors private to the
+    graph functional): ``x.add_(y)``, ``x[i] = v``, ``x += y``, ``out=x``, ``torch._foreach_mul_([x], c)``, an
+    operator whose schema writes an argument (``aten.mul_``, a custom op's ``mutates_args``). Not
+    ``operator.and_`` (``a & b``)."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    written = [v for k, v in node.kwargs.items() if k == "out"]
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", target)
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema.arguments
+        args = list(node.args) + [node.kwargs.get(a.name) for a in schema[len(node.args):]]
+        written += [v for a, v in zip(schema, args) if a.alias_info is not None and a.alias_info.is_write]
+    elif node.args:
+        name = canonical_name(node)
+        if name in _IN_PLACE_OPERATORS or name == "setitem" or (name.endswith("_") and not hasattr(operator, name)):
+            written.append(node.args[0])  # a list for _foreach_*_
+    flat = [n for v in written for n in (v if isinstance(v, (list, tuple)) else [v])]
+    # a number (``n += 1`` on a size) is no update; a node without a recorded value may be a tensor
+    return [n for n in flat if isinstance(n, fx.Node) and isinstance(example_value(n), (torch.Tensor, type(None)))]
 
 
 def _update_of_read(body: set[fx.Node], ids: fx.Node, out: fx.Node, asserts: set[fx.Node],
@@ -91,11 +102,12 @@ def _update_of_read(body: set[fx.Node], ids: fx.Node, out: fx.Node, asserts: set
     read = [v for v in read if isinstance(v, torch.Tensor)]
     first = min(body | {ids}, key=order.__getitem__)
     for node in _between(first.prev, out):
-        if node in asserts or not _mutates(node):
+        if node in asserts:
             continue
-        target = example_value(node.args[0])
-        if node in body or not isinstance(target, torch.Tensor) or any(shares_storage(target, v) for v in read):
-            return node
+        for target in _updated(node):
+            value = example_value(target)
+            if node in body or value is None or any(shares_storage(value, v) for v in read):
+                return node
     return None
 
 
@@ -103,7 +115,7 @@ def _dead(node: fx.Node) -> bool:
     """An unused node without side effects (a mask a loop computed and did not use)."""
     if node.users or node.op not in ("call_function", "call_method"):
         return False
-    return not (_mutates(node) or node.is_impure())
+    return not (_updated(node) or node.is_impure())
 
 
 def assert_only_nodes(graph: fx.Graph) -> set[fx.Node]:

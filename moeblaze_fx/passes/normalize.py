@@ -9,9 +9,10 @@ Two things happen here, both driven by the tables below (a new spelling is a new
 * **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
   ``inv[perm] = arange``, ``w /= s``) become their out-of-place forms, and later readers of the
   mutated tensor read the new value instead. Data flow is then visible in the def-use edges, which
-  is what ``find`` walks. A mutation of a graph input or of a tensor with live views (by name, or by
-  the storage its recorded value shares) is left as is; ``find`` leaves a region alone when such an
-  update touches what the region reads.
+  is what ``find`` walks. Aliasing is judged by the storage of Dynamo's recorded (fake) values, so
+  views count however they are spelled. An update of a graph input, or of a tensor another alias of
+  which is read after it, is left as is; ``find`` leaves a region alone when such an update
+  touches what the region reads.
 
 The rewrite preserves the function exactly: a functional update followed by rewired readers
 computes what the in-place update did.
@@ -81,12 +82,6 @@ _INPLACE_OPERATORS = {
     operator.imul: operator.mul,
     operator.itruediv: operator.truediv,
 }
-# Ops whose result is (or may be) a view of their first argument.
-_VIEW_NAMES = frozenset(
-    {"view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "chunk", "split", "narrow",
-     "select", "flatten", "unflatten", "view_as", "as_strided", "unbind", "movedim", "swapaxes", "diagonal", "T",
-     "contiguous", "detach", "alias"}
-)
 
 
 def functional_setitem(base: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
@@ -149,29 +144,15 @@ def shares_storage(a: Any, b: Any) -> bool:
     return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
 
 
-def _is_view(node: fx.Node) -> bool:
-    """True when a node's result may share storage with its first input."""
-    name = canonical_name(node)
-    if name in _VIEW_NAMES:
-        return True
-    piece = name == "getitem" and isinstance(example_value(node.args[0]), (tuple, list))
-    producer = node.args[0] if piece else node  # x.chunk(2)[0]: a piece of what chunk made from x
-    if any(shares_storage(example_value(node), example_value(s)) for s in producer.all_input_nodes):
-        return True  # a view by its recorded value, whatever its spelling
-    if piece:
-        return canonical_name(producer) in _VIEW_NAMES  # a piece of split/chunk/unbind; not topk's values
-    if name != "getitem":
-        return False
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    # advanced indexing with a tensor copies; basic indexing returns a view
-    return not any(isinstance(example_value(i), torch.Tensor) for i in index)
+def _storage(value: Any) -> Optional[StorageWeakRef]:
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
-def _is_fresh(node: fx.Node) -> bool:
-    """True when the tensor a node produces shares storage with nothing else in the graph."""
-    if node.op not in ("call_function", "call_method"):
-        return False  # graph inputs, parameters: mutating them is visible to the caller
-    return not _is_view(node) and isinstance(example_value(node), torch.Tensor)
+def shares_storage(a: Any, b: Any) -> bool:
+    """True when two recorded values are tensors over one storage (Dynamo's fake tensors keep the aliasing of the
+    real ones: a view however spelled, ``x.to(x.dtype)``, a piece of ``x.chunk(2)``, an in-place update's result)."""
+    ref = _storage(a)
+    return ref is not None and ref == _storage(b)
 
 
 def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
@@ -189,35 +170,44 @@ def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
     return None
 
 
-def _fresh_like(value: Any) -> Any:
-    """A fake tensor like ``value`` over a new storage: the functional update's result aliases nothing."""
-    mode = getattr(value, "fake_mode", None)
-    if mode is None:
-        return value
-    with mode:
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+def _private(node: fx.Node, base: fx.Node, aliases: list[fx.Node], order: dict[fx.Node, float]) -> bool:
+    """True when ``node``'s update of ``base`` is seen through ``base`` alone: its storage was made in the graph
+    (not an input or parameter, whose update the caller sees), and no other tensor over it (``aliases``, by the
+    recorded values) made before the update is read after it. The update can then be out of place, its readers
+    rewired; an alias made after it is made from ``base`` (rewired too) or from one read after it."""
+    for alias in aliases:
+        if alias is base or order[alias] >= order[node]:
+            continue
+        if alias.op in ("placeholder", "get_attr"):
+            return False
+        if any(order.get(u, -1) > order[node] for u in alias.users):
+            return False  # a view, or the tensor it is a view of, read after the update sees it
+    return base.op in ("call_function", "call_method")
 
 
 def _functionalize(graph: fx.Graph) -> int:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order: dict[fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}
+    by_storage: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in graph.nodes:
+        ref = _storage(example_value(node))
+        if ref is not None:
+            by_storage.setdefault(ref, []).append(node)
     changed = 0
     for node in list(graph.nodes):
         found = _mutation(node)
         if found is None or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         base = node.args[0]
-        if not _is_fresh(base):
+        ref = _storage(example_value(base))  # no recorded value: aliasing unknown, the update stays
+        if ref is None or not _private(node, base, by_storage[ref], order):
             continue
-        earlier_views = [u for u in base.users if order[u] < order[node] and _is_view(u)]
-        if earlier_views:
-            continue  # a view taken before the update would see it: keep the mutation
         target, kind = found
         with graph.inserting_after(node):
             new = graph.create_node(kind, target, node.args, node.kwargs, name=f"{node.name}_functional")
         new.meta = dict(node.meta)
-        example = example_value(base)
-        if example is not None:  # same shape, strides, dtype and device as the updated tensor, in a storage of its own
-            new.meta["example_value"] = _fresh_like(example)
+        # the updated tensor's value: a view of it taken later records that storage too, and stays its alias
+        new.meta["example_value"] = example_value(base)
+        by_storage[ref].append(new)
         node.replace_all_uses_with(new)
         for user in list(base.users):
             if user is not new and order.get(user, -1) > order[node]:

@@ -151,6 +151,16 @@ def test_an_moe_that_cannot_be_rewritten_is_still_reported():
     assert [r.status for r in moeblaze_fx.last_report()] == ["skipped"]
 
 
+@torch.library.custom_op("moeblaze_test::halve", mutates_args=("t",))
+def _halve(t: torch.Tensor) -> None:
+    t.mul_(0.5)
+
+
+@_halve.register_fake
+def _(t):
+    return None
+
+
 class MutatesTokens(ModuleListMoE):
     """A per-expert loop that also updates its input tokens in place after each expert: each expert reads the tokens
     as the earlier ones left them, which one operator call at the combine cannot do."""
@@ -163,6 +173,9 @@ class MutatesTokens(ModuleListMoE):
         w, ids = torch.topk(F.softmax(self.gate(x), dim=-1), self.K, dim=-1)
         mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
         out = torch.zeros_like(x)
+        if self.how == "view-after-update":  # a fresh tensor updated (made functional), then a view of it updated
+            x = x * 1.0
+            x.mul_(2.0)
         for e in range(self.E):
             k, tok = torch.where(mask[e])
             out = out.index_add(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
@@ -176,13 +189,24 @@ class MutatesTokens(ModuleListMoE):
                 x.view(-1)[:5].mul_(0.5)
             elif self.how == "chunk":  # through a piece of x.chunk: normalize must not take it for a fresh tensor
                 x.chunk(2)[0].mul_(0.5)
+            elif self.how == "view-after-update":
+                x[:3].mul_(0.5)
+            elif self.how == "out=":
+                torch.mul(x, 0.5, out=x)
+            elif self.how == "foreach":
+                torch._foreach_mul_([x], 0.5)
+            elif self.how == "aten":
+                torch.ops.aten.mul_.Scalar(x, 0.5)
+            elif self.how == "custom-op":  # an operator whose schema says it writes x
+                _halve(x)
             else:
                 x.mul_(0.5)
         return out
 
 
 @pytest.mark.parametrize("verify", [True, False])
-@pytest.mark.parametrize("how", ["index_fill_", "setitem", "iadd", "mul_", "view", "chunk"])
+@pytest.mark.parametrize("how", ["index_fill_", "setitem", "iadd", "mul_", "view", "chunk", "view-after-update",
+                                 "out=", "foreach", "aten", "custom-op"])
 def test_tokens_updated_in_place_inside_the_region_are_left_alone(how, verify):
     torch.manual_seed(0)
     model, x = MutatesTokens(how), torch.randn(10, 16)

@@ -106,14 +106,39 @@ def updates_twice(x):
     return out
 
 
-@pytest.mark.parametrize("fn,kept", [(mutates_a_piece, ["mul_"]), (mutates_a_no_op_cast, ["add_"]),
-                                     (updates_twice, [])])
+def updates_a_view_of_an_updated_tensor(x):
+    out = x * 1.0
+    out.mul_(2)  # made functional
+    out[:2].mul_(0.5)  # a view of the new value: out, read after, sees it
+    return out
+
+
+def casts_after_an_update(x):
+    out = x * 1.0
+    out.mul_(2)  # made functional
+    same = out.to(torch.float32)  # out itself
+    out.add_(1)  # seen through `same`
+    return same
+
+
+def updates_an_alias_nothing_else_reads(x):
+    w = (x * 2).to(x.dtype)  # an alias of x * 2, which is not read again
+    w /= w.sum(-1, keepdim=True)
+    return w
+
+
+@pytest.mark.parametrize("fn,kept", [
+    (mutates_a_piece, ["mul_"]), (mutates_a_no_op_cast, ["add_"]), (updates_twice, []),
+    (updates_a_view_of_an_updated_tensor, ["mul_"]), (casts_after_an_update, ["add_"]),
+    (updates_an_alias_nothing_else_reads, [])])
 def test_updates_of_aliases_stay_in_place(fn, kept):
-    """An update of a tensor that shares the updated one's storage stays in place, however the alias is spelled;
-    updates of fresh tensors, one after another, are all made functional."""
+    """An update of a tensor another alias of which is read after it stays in place, however the alias is spelled
+    (also after an earlier update of the same tensor was made functional); updates seen through one tensor only are
+    made functional."""
     x = torch.randn(4, 3)
     gm = normalize(_graph(fn, x))
-    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_method" and n.target.endswith("_")] == kept
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_method" and n.target.endswith("_")
+            or n.target is operator.itruediv] == kept
     torch.testing.assert_close(gm(x)[0], fn(x), rtol=0, atol=0)
 
 
