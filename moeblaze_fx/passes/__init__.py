@@ -163,12 +163,64 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return new_gm, records
 
 
+# Higher-order ops that run a subgraph (their first argument, a GraphModule attribute) on the rest of their
+# arguments, and what the report says of a region inside one. Dynamo keeps code under torch.utils.checkpoint (as
+# Hugging Face's gradient checkpointing calls it, reentrant or not) as such a call; the passes run in the body.
+_SUBGRAPH_OPS = {"tag_activation_checkpoint": "inside torch.utils.checkpoint"}
+
+
+class _InsideSubgraph:
+    """A body's ``compile_subgraph_reason``: it ends where its code does, not at a graph break."""
+    graph_break = False
+    user_stack = ()
+    reason = ""
+
+
 def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
          cfg: MoEBlazeConfig) -> tuple[fx.GraphModule, list[RegionRecord]]:
     work = _copy(gm)
-    normalize(work)
     placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
-    real: dict[fx.Node, Any] = dict(zip(placeholders, example_inputs))
+    records, changed = _rewrite(work, dict(zip(placeholders, example_inputs)), cfg, where="")
+    return (work if changed else gm), records
+
+
+def _subgraph_calls(work: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
+    """(call, body attribute, where) for each call of a higher-order op in ``_SUBGRAPH_OPS``."""
+    calls = []
+    for node in work.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.HigherOrderOperator):
+            continue
+        body = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if target.name() in _SUBGRAPH_OPS and body is not None and body.op == "get_attr" and \
+                isinstance(getattr(work, body.target, None), fx.GraphModule):
+            calls.append((node, body.target, _SUBGRAPH_OPS[target.name()]))
+    return calls
+
+
+def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig,
+             where: str) -> tuple[list[RegionRecord], bool]:
+    """Rewrite ``work`` (a copy: changed in place) and the bodies of its subgraph calls (copies put in its
+    attributes). ``real``: the values of its placeholders that are known. Returns the records in graph order
+    and whether anything changed."""
+    normalize(work)
+    order = {n: i for i, n in enumerate(work.graph.nodes)}
+    keyed: list[tuple[int, RegionRecord]] = []
+    changed = False
+    for call, attr, inside in _subgraph_calls(work):
+        body = _copy(getattr(work, attr))
+        body.compile_subgraph_reason = _InsideSubgraph()
+        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+        operands = call.args[1:]
+        if len(inner) != len(operands):
+            continue  # not the calling convention the body's placeholders follow: left alone
+        body_real = {p: real[a] for p, a in zip(inner, operands) if isinstance(a, fx.Node) and a in real}
+        body_records, body_changed = _rewrite(body, body_real, cfg, where=inside)
+        keyed += [(order[call], r) for r in body_records]
+        if body_changed:
+            setattr(work, attr, body)
+            changed = True
+
     name_of: dict[fx.Node, str] = {}
     params: set[fx.Node] = set()
     for node in work.graph.nodes:
@@ -185,12 +237,13 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 real[node] = value
                 name_of[node] = str(node.target)
 
-    records: list[RegionRecord] = []
     rewritten = 0
     for cand in find_candidates(work, params):
         source = _source(cand.output if cand.output is not None else cand.topk)
         record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
-        records.append(record)
+        if where:
+            record.idiom = f"{record.idiom}, {where}"
+        keyed.append((order[cand.topk], record))
         if cand.reason:
             record.reason = cand.reason
             continue
@@ -237,10 +290,9 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
             plan_block_m(x_val.device) if use_triton(x_val) else None,
         )
         rewritten += 1
-    if not rewritten:
-        return gm, records
-    work.graph.lint()
-    work.recompile()
-    return work, records
+    if rewritten:
+        work.graph.lint()
+        work.recompile()
+    return [r for _, r in sorted(keyed, key=lambda p: p[0])], changed or rewritten > 0
 
 

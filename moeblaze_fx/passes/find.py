@@ -224,6 +224,15 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if ids is not None and may_be_split and _leaves_graph(ids):
             candidates.append(Candidate(topk=topk, ids=ids, reason=_split_reason(compiled_because)))
             continue
+        inside = _subgraph_reading(ids) if ids is not None else None
+        if inside is not None:
+            name = canonical_name(inside)
+            advice = (" Checkpoint the router with the experts, or take the experts out of torch.utils.checkpoint and "
+                      "use options={'checkpoint': 'recompute'}" if name == "tag_activation_checkpoint" else "")
+            candidates.append(Candidate(topk=topk, ids=ids, reason=(
+                f"the ids go into the subgraph of {name} (node {inside.name}), where the experts run: the routing "
+                f"and the experts must be in one graph to be rewritten.{advice}")))
+            continue
         if ids is None or not any(role(u) == "dispatch" or canonical_name(u) in ("reshape", "view", "flatten", "to")
                                   for u in ids.users):
             continue  # top-k whose indices are not routed: not an MoE
@@ -358,6 +367,20 @@ def _leaves_graph(ids: fx.Node, computed: bool = False) -> bool:
                 seen.add(user)
                 frontier.append(user)
     return False
+
+
+def _subgraph_reading(ids: fx.Node) -> Optional[fx.Node]:
+    """The first higher-order op call (a subgraph: torch.utils.checkpoint's body) that reads the ids or a view of
+    them."""
+    frontier, seen = [ids], {ids}
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "call_function" and isinstance(user.target, torch._ops.HigherOrderOperator):
+                return user
+            if user not in seen and canonical_name(user) in _ID_VIEWS:
+                seen.add(user)
+                frontier.append(user)
+    return None
 
 
 def _capacity_bound(body: set[fx.Node]) -> Optional[tuple[fx.Node, object]]:
