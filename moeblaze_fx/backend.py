@@ -12,6 +12,7 @@ fakes, so a cache entry made by another version of this package could replay a b
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -106,6 +107,15 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool) 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if not inductor:
+        if any(n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+               for n in gm.graph.nodes):
+            # a subgraph call (torch.utils.checkpoint's) run as plain FX does not recompute its body as checkpoint
+            # would (random ops draw other values in backward): through AOTAutograd, with no compiler
+            from torch._dynamo.backends.registry import lookup_backend
+
+            tag = cache_key_tag(gm, example_inputs)
+            with torch.compiler.config.patch(cache_key_tag=tag) if tag else contextlib.nullcontext():
+                return lookup_backend("aot_eager")(gm, example_inputs)
         return gm.forward
     tag = cache_key_tag(gm, example_inputs)
     if tag is None:

@@ -1,12 +1,13 @@
 """The pass pipeline: normalize -> find -> extract -> prove -> rewrite, one record per candidate."""
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 import re
 import traceback
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,18 +32,22 @@ log = logging.getLogger("moeblaze_fx")
 _PLUMBING = (os.sep + os.path.join("torch", ""), os.sep + os.path.join("transformers", "integrations", ""))
 
 
-def _source(node: fx.Node) -> str:
-    """``file:line`` of the innermost frame of a node's stack trace that is the model's own code."""
-    frames = []
-    for line in (node.meta.get("stack_trace") or "").strip().splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path, _, rest = line[6:].partition('", line ')
-            frames.append(f"{path}:{rest.split(',')[0]}")
-    for frame in reversed(frames):
-        if not any(p in frame for p in _PLUMBING):
-            return _short_path(frame)
-    return _short_path(frames[-1]) if frames else "<unknown>"
+def _source(*nodes: fx.Node) -> str:
+    """``file:line`` of the innermost frame of a node's stack trace that is the model's own code: the first of
+    ``nodes`` with such a frame (torch 2.11 records only library frames for some nodes in a checkpoint's body)."""
+    first = None
+    for node in nodes:
+        frames = []
+        for line in (node.meta.get("stack_trace") or "").strip().splitlines():
+            line = line.strip()
+            if line.startswith('File "'):
+                path, _, rest = line[6:].partition('", line ')
+                frames.append(f"{path}:{rest.split(',')[0]}")
+        for frame in reversed(frames):
+            if not any(p in frame for p in _PLUMBING):
+                return _short_path(frame)
+        first = first or (frames[-1] if frames else None)
+    return _short_path(first) if first else "<unknown>"
 
 
 def _short_path(frame: str) -> str:
@@ -195,38 +200,24 @@ def _subgraph_calls(work: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
         if target.name() in _SUBGRAPH_OPS and body is not None and body.op == "get_attr" and \
                 isinstance(getattr(work, body.target, None), fx.GraphModule):
             calls.append((node, body.target, _SUBGRAPH_OPS[target.name()]))
-    return calls
+    # a body several calls share (Dynamo gives each call its own) would be rewritten for one call's operands
+    uses = collections.Counter(attr for _, attr, _ in calls)
+    return [c for c in calls if uses[c[1]] == 1]
 
 
-def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig,
-             where: str) -> tuple[list[RegionRecord], bool]:
+def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig, where: str,
+             names: Optional[dict[fx.Node, str]] = None) -> tuple[list[RegionRecord], bool]:
     """Rewrite ``work`` (a copy: changed in place) and the bodies of its subgraph calls (copies put in its
-    attributes). ``real``: the values of its placeholders that are known. Returns the records in graph order
-    and whether anything changed."""
+    attributes). ``real``: the values of its placeholders that are known; ``names``: display names of its
+    parameter placeholders (a body's, from its caller). Returns the records in graph order and whether anything
+    changed."""
     normalize(work)
-    order = {n: i for i, n in enumerate(work.graph.nodes)}
-    keyed: list[tuple[int, RegionRecord]] = []
-    changed = False
-    for call, attr, inside in _subgraph_calls(work):
-        body = _copy(getattr(work, attr))
-        body.compile_subgraph_reason = _InsideSubgraph()
-        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-        operands = call.args[1:]
-        if len(inner) != len(operands):
-            continue  # not the calling convention the body's placeholders follow: left alone
-        body_real = {p: real[a] for p, a in zip(inner, operands) if isinstance(a, fx.Node) and a in real}
-        body_records, body_changed = _rewrite(body, body_real, cfg, where=inside)
-        keyed += [(order[call], r) for r in body_records]
-        if body_changed:
-            setattr(work, attr, body)
-            changed = True
-
     name_of: dict[fx.Node, str] = {}
     params: set[fx.Node] = set()
     for node in work.graph.nodes:
         if node.op == "placeholder" and isinstance(real.get(node), torch.nn.Parameter):
             params.add(node)
-            name_of[node] = _display_name(str(node.target))
+            name_of[node] = (names or {}).get(node) or _display_name(str(node.target))
         elif node.op == "get_attr":
             try:
                 value = work.get_parameter(str(node.target))
@@ -237,9 +228,29 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
                 real[node] = value
                 name_of[node] = str(node.target)
 
+    order = {n: i for i, n in enumerate(work.graph.nodes)}
+    keyed: list[tuple[int, RegionRecord]] = []
+    changed = False
+    for call, attr, inside in _subgraph_calls(work):
+        body = _copy(getattr(work, attr))
+        body.compile_subgraph_reason = _InsideSubgraph()
+        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+        operands = call.args[1:]
+        if len(inner) != len(operands):
+            log.debug("moeblaze: %s of %s: %d placeholders for %d operands, not looked into", attr, call.name,
+                      len(inner), len(operands))
+            continue
+        pairs = [(p, a) for p, a in zip(inner, operands) if isinstance(a, fx.Node)]
+        body_records, body_changed = _rewrite(body, {p: real[a] for p, a in pairs if a in real}, cfg, where=inside,
+                                              names={p: name_of[a] for p, a in pairs if a in name_of})
+        keyed += [(order[call], r) for r in body_records]
+        if body_changed:
+            setattr(work, attr, body)
+            changed = True
+
     rewritten = 0
     for cand in find_candidates(work, params):
-        source = _source(cand.output if cand.output is not None else cand.topk)
+        source = _source(*([cand.output] if cand.output is not None else []), cand.topk)
         record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
         if where:
             record.idiom = f"{record.idiom}, {where}"

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .normalize import canonical_name, example_value, role, shares_storage
+from .normalize import ROLE_OF, canonical_name, example_value, role, shares_storage
 
 __all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "example_value", "size_hint"]
 
@@ -224,18 +224,15 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if ids is not None and may_be_split and _leaves_graph(ids):
             candidates.append(Candidate(topk=topk, ids=ids, reason=_split_reason(compiled_because)))
             continue
-        inside = _subgraph_reading(ids) if ids is not None else None
-        if inside is not None:
-            name = canonical_name(inside)
-            advice = (" Checkpoint the router with the experts, or take the experts out of torch.utils.checkpoint and "
-                      "use options={'checkpoint': 'recompute'}" if name == "tag_activation_checkpoint" else "")
-            candidates.append(Candidate(topk=topk, ids=ids, reason=(
-                f"the ids go into the subgraph of {name} (node {inside.name}), where the experts run: the routing "
-                f"and the experts must be in one graph to be rewritten.{advice}")))
-            continue
         if ids is None or not any(role(u) == "dispatch" or canonical_name(u) in ("reshape", "view", "flatten", "to")
                                   for u in ids.users):
-            continue  # top-k whose indices are not routed: not an MoE
+            inside = _routed_in_subgraph(gm, ids) if ids is not None else None
+            if inside is not None:  # the experts run in a subgraph: reported, not rewritten
+                candidates.append(Candidate(topk=topk, ids=ids, reason=(
+                    f"the ids go into {inside}, where they are routed to the experts: the routing and the experts "
+                    "must be in one graph to be rewritten. Checkpoint the router with the experts, or take the "
+                    "experts out of the checkpoint and use options={'checkpoint': 'recompute'}")))
+            continue  # top-k whose indices are not routed here
         at_break = compiled_because is not None and compiled_because.graph_break and _leaves_graph(ids, True)
         if not at_break and order[topk] > last_product:
             continue  # no matrix product follows, here or after a break (a load-balancing loss's top-k): not an MoE
@@ -369,17 +366,31 @@ def _leaves_graph(ids: fx.Node, computed: bool = False) -> bool:
     return False
 
 
-def _subgraph_reading(ids: fx.Node) -> Optional[fx.Node]:
-    """The first higher-order op call (a subgraph: torch.utils.checkpoint's body) that reads the ids or a view of
-    them."""
+_SUBGRAPH_NAMES = {"tag_activation_checkpoint": "torch.utils.checkpoint's function"}
+
+
+def _routed_in_subgraph(gm: fx.GraphModule, ids: fx.Node) -> Optional[str]:
+    """What runs the experts, when the ids (or a view of them) go into a subgraph (``torch.utils.checkpoint``'s
+    function) that dispatches them and holds a matrix product; else None."""
     frontier, seen = [ids], {ids}
     while frontier:
-        for user in frontier.pop().users:
-            if user.op == "call_function" and isinstance(user.target, torch._ops.HigherOrderOperator):
-                return user
-            if user not in seen and canonical_name(user) in _ID_VIEWS:
-                seen.add(user)
-                frontier.append(user)
+        node = frontier.pop()
+        for call in node.users:
+            if canonical_name(call) in _ID_VIEWS and call not in seen:
+                seen.add(call)
+                frontier.append(call)
+            name = canonical_name(call) if isinstance(call.target, torch._ops.HigherOrderOperator) else None
+            body = getattr(gm, str(call.args[0].target), None) if name in _SUBGRAPH_NAMES and isinstance(
+                call.args[0], fx.Node) else None
+            if not isinstance(body, fx.GraphModule):
+                continue
+            inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+            reads = [p for p, a in zip(inner, call.args[1:]) if a is node]
+            routed = _reach(reads, lambda n: [u for u in n.users if canonical_name(u) in _ID_VIEWS or
+                                              ROLE_OF.get(canonical_name(u)) == "dispatch"], set(body.graph.nodes))
+            if any(ROLE_OF.get(canonical_name(n)) == "dispatch" for n in routed) and any(
+                    ROLE_OF.get(canonical_name(n)) in ("grouped_mm", "matmul") for n in body.graph.nodes):
+                return _SUBGRAPH_NAMES[name]
     return None
 
 

@@ -29,7 +29,8 @@ def test_hf_gradient_checkpointing_rewrites_every_layer(family, use_reentrant):
     records = moeblaze_fx.last_report()
     assert [r.status for r in records] == ["rewritten"] * LAYERS
     assert all(r.idiom.endswith(", inside torch.utils.checkpoint") for r in records)
-    assert all(f"transformers/models/{family}/modeling_{family}.py:" in r.source for r in records)
+    assert all(f"transformers/models/{family}/modeling_{family}.py:" in r.source for r in records), [
+        r.source for r in records]
 
 
 def test_hf_gradient_checkpointing_through_inductor():
@@ -103,10 +104,107 @@ def test_routing_outside_the_checkpoint_is_reported():
     assert run_eager_and_compiled(RoutingOutside(), (torch.randn(10, 16, requires_grad=True),)) == {"skipped": 1}
     (record,) = moeblaze_fx.last_report()
     assert record.reason == (
-        "the ids go into the subgraph of tag_activation_checkpoint (node tag_activation_checkpoint), where the experts "
-        "run: the routing and the experts must be in one graph to be rewritten. Checkpoint the router with the "
-        "experts, or take the experts out of torch.utils.checkpoint and use options={'checkpoint': 'recompute'}")
+        "the ids go into torch.utils.checkpoint's function, where they are routed to the experts: the routing and the "
+        "experts must be in one graph to be rewritten. Checkpoint the router with the experts, or take the experts "
+        "out of the checkpoint and use options={'checkpoint': 'recompute'}")
     assert "test_checkpoint.py:" in record.source
+
+
+def _balance(ids, probs):
+    return (F.one_hot(ids, 4).float().mean((0, 1)) * probs.mean(0)).sum() * 4
+
+
+class AuxInCheckpoint(ModuleListMoE):
+    """Router and experts outside any checkpoint; only a load-balancing loss reads the ids in one."""
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(probs, self.K, dim=-1)
+        aux = checkpoint(_balance, ids, probs, use_reentrant=False)
+        mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            k, tok = torch.where(mask[e])
+            out = out.index_add(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out, aux
+
+
+class PoolsInCheckpoint(torch.nn.Module):
+    """A top-k that is no MoE (pooling) whose indices go into a checkpointed scatter."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        v, idx = self.proj(x).topk(4, dim=-1)
+        return checkpoint(lambda v, i: torch.zeros(x.shape).scatter(-1, i, v), v, idx, use_reentrant=False)
+
+
+def test_ids_read_in_a_checkpoint_beside_the_experts():
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(AuxInCheckpoint(), (torch.randn(10, 16, requires_grad=True),)) == {"rewritten": 1}
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(PoolsInCheckpoint(), (torch.randn(10, 16, requires_grad=True),)) == {}
+    assert moeblaze_fx.last_report() == []
+
+
+def test_parameters_held_as_attributes_reach_the_body(monkeypatch):
+    """With install_free_tensors, Dynamo holds free modules' parameters as get_attr nodes of the outer graph: the
+    body's placeholders bound to them are the experts' parameters, with the outer graph's names."""
+    monkeypatch.setattr(torch._dynamo.config, "install_free_tensors", True)
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(ModuleListMoE() for _ in range(2))
+
+    def f(x):
+        for b in blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return x
+
+    x = _x().detach()
+    want = f(x)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="moeblaze", fullgraph=True, options={"inductor": False})(x)
+    torch.testing.assert_close(got, want)
+    records = moeblaze_fx.last_report()
+    assert [r.status for r in records] == ["rewritten"] * 2
+    # named as Dynamo names the attributes (as outside a checkpoint)
+    assert [r.layout.split(",")[0] for r in records] == [f"gate = L__blocks___{i}_experts_*_w1_weight" for i in range(2)]
+
+
+class DropoutInCheckpoint(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(ModuleListMoE() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(lambda z, b=b: F.dropout(b(F.dropout(z, 0.3)), 0.2), x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("options", [{"inductor": False}, {}], ids=["fx", "inductor"])
+def test_dropout_in_the_checkpoint_recomputed_with_the_same_masks(options):
+    """Backward recomputes the body with the forward's random masks: without Inductor too, where the graph runs
+    through AOTAutograd (plain FX draws new masks in the recompute)."""
+    torch.manual_seed(0)
+    model = DropoutInCheckpoint()
+    compiled = torch.compile(model, backend="moeblaze", fullgraph=True, options=options)
+
+    def step(fn):
+        model.zero_grad()
+        torch.manual_seed(5)
+        x = _x().requires_grad_()
+        out = fn(x)
+        out.sum().backward()
+        return [out.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=True):
+        got = step(compiled)
+    for a, b in zip(got, step(model)):
+        torch.testing.assert_close(a, b)
+    assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * 2
 
 
 @pytest.mark.cuda
