@@ -29,7 +29,16 @@ log = logging.getLogger("moeblaze_fx")
 
 
 # Frames from these places are library plumbing, not the model's source.
-_PLUMBING = (os.sep + os.path.join("torch", ""), os.sep + os.path.join("transformers", "integrations", ""))
+_PLUMBING = (os.path.join("torch", ""), os.path.join("transformers", "integrations", ""))
+
+
+def _is_plumbing(path: str) -> bool:
+    """A frame of the libraries above, installed (judged below site-packages: a virtual environment may live in a
+    folder named torch) or checked out."""
+    marker = "site-packages" + os.sep
+    if marker in path:
+        return path.split(marker, 1)[1].startswith(_PLUMBING)
+    return any(os.sep + p in path for p in _PLUMBING)
 
 
 def _source(*nodes: fx.Node) -> str:
@@ -44,7 +53,7 @@ def _source(*nodes: fx.Node) -> str:
                 path, _, rest = line[6:].partition('", line ')
                 frames.append(f"{path}:{rest.split(',')[0]}")
         for frame in reversed(frames):
-            if not any(p in frame for p in _PLUMBING):
+            if not _is_plumbing(frame):
                 return _short_path(frame)
         first = first or (frames[-1] if frames else None)
     return _short_path(first) if first else "<unknown>"

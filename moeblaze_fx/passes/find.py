@@ -326,10 +326,10 @@ def _compile_reason(gm: fx.GraphModule):
 
 def _split_reason(compiled_because) -> str:
     """GRAPH_BREAK made specific: where Dynamo broke the graph, why, and what to change."""
-    from . import _PLUMBING, _short_path  # the report's file:line form (imported here: passes imports find)
+    from . import _is_plumbing, _short_path  # the report's file:line form (imported here: passes imports find)
 
     frames = [f for f in (compiled_because.user_stack if compiled_because else []) if f.filename]
-    user = [f for f in frames if not any(p in f.filename for p in _PLUMBING)] or frames
+    user = [f for f in frames if not _is_plumbing(f.filename)] or frames
     if not user:
         return GRAPH_BREAK
     frame = user[-1]

@@ -168,3 +168,18 @@ def test_dunder_methods_have_the_operator_names():
     nodes = [g.call_method(m, (a, 0)) for m in ("__eq__", "__and__", "__iadd__", "__custom__", "eq")]
     nodes.append(g.call_function(operator.eq, (a, 0)))
     assert [canonical_name(n) for n in nodes] == ["eq", "and_", "iadd", "__custom__", "eq", "eq"]
+
+
+def test_library_frames_are_judged_below_site_packages():
+    """The report names the model's own line: torch's and transformers' integration frames are skipped, also when
+    the virtual environment lives in a folder named torch (the GPU machine's /opt/torch/.venv)."""
+    import os
+
+    from moeblaze_fx.passes import _is_plumbing
+
+    venv = os.path.join(os.sep, "opt", "torch", ".venv", "lib", "python3.12", "site-packages")
+    assert _is_plumbing(os.path.join(venv, "torch", "nn", "modules", "module.py"))
+    assert _is_plumbing(os.path.join(venv, "transformers", "integrations", "moe.py"))
+    assert not _is_plumbing(os.path.join(venv, "transformers", "models", "mixtral", "modeling_mixtral.py"))
+    assert _is_plumbing(os.path.join(os.sep, "src", "pytorch", "torch", "nn", "functional.py"))
+    assert not _is_plumbing(os.path.join(os.sep, "src", "model.py"))
