@@ -18,7 +18,7 @@ from ..kernels.reference import plan_sizes
 from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
-from .find import example_value, find_candidates, size_hint
+from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, subgraph_body
 from .normalize import normalize, operator_name
 from .prove import Proof, prove
 from .rewrite import rewrite
@@ -177,12 +177,6 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return new_gm, records
 
 
-# Higher-order ops that run a subgraph (their first argument, a GraphModule attribute) on the rest of their
-# arguments, and what the report says of a region inside one. Dynamo keeps code under torch.utils.checkpoint (as
-# Hugging Face's gradient checkpointing calls it, reentrant or not) as such a call; the passes run in the body.
-_SUBGRAPH_OPS = {"tag_activation_checkpoint": "inside torch.utils.checkpoint"}
-
-
 class _InsideSubgraph:
     """A body's ``compile_subgraph_reason``: it ends where its code does, not at a graph break."""
     graph_break = False
@@ -199,17 +193,12 @@ def _run(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
 
 def _subgraph_calls(work: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
-    """(call, body attribute, where) for each call of a higher-order op in ``_SUBGRAPH_OPS``."""
-    calls = []
-    for node in work.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.HigherOrderOperator):
-            continue
-        body = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if target.name() in _SUBGRAPH_OPS and body is not None and body.op == "get_attr" and \
-                isinstance(getattr(work, body.target, None), fx.GraphModule):
-            calls.append((node, body.target, _SUBGRAPH_OPS[target.name()]))
-    # a body several calls share (Dynamo gives each call its own) would be rewritten for one call's operands
+    """(call, body attribute, where) for each call of a subgraph op (``find.SUBGRAPH_OPS``): the passes run in its
+    body too (torch.utils.checkpoint's function, as Hugging Face's gradient checkpointing calls it, reentrant or
+    not). A body several calls share (Dynamo gives each call its own) would be rewritten for one call's operands,
+    and is left alone."""
+    calls = [(n, str(n.args[0].target), f"inside {SUBGRAPH_OPS[n.target.name()]}") for n in work.graph.nodes
+             if subgraph_body(work, n) is not None]
     uses = collections.Counter(attr for _, attr, _ in calls)
     return [c for c in calls if uses[c[1]] == 1]
 

@@ -41,7 +41,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .normalize import ROLE_OF, canonical_name, example_value, role, shares_storage
 
-__all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "example_value", "size_hint"]
+__all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "SUBGRAPH_OPS", "subgraph_body",
+           "example_value", "size_hint"]
 
 # Ops that read only the shape/dtype/device of their tensor inputs.
 SHAPE_ONLY_NAMES = frozenset(
@@ -366,31 +367,37 @@ def _leaves_graph(ids: fx.Node, computed: bool = False) -> bool:
     return False
 
 
-_SUBGRAPH_NAMES = {"tag_activation_checkpoint": "torch.utils.checkpoint's function"}
+# Higher-order ops whose first argument, an attribute of the graph, is a subgraph they run on the rest: how Dynamo
+# records the function torch.utils.checkpoint runs. Name: what the report calls it.
+SUBGRAPH_OPS = {"tag_activation_checkpoint": "torch.utils.checkpoint"}
+
+
+def subgraph_body(gm: fx.GraphModule, call: fx.Node) -> Optional[fx.GraphModule]:
+    """The body ``call`` runs, when it calls one of ``SUBGRAPH_OPS``; else None."""
+    if call.op != "call_function" or not isinstance(call.target, torch._ops.HigherOrderOperator):
+        return None
+    body = call.args[0] if call.args and isinstance(call.args[0], fx.Node) else None
+    if call.target.name() not in SUBGRAPH_OPS or body is None or body.op != "get_attr":
+        return None
+    module = getattr(gm, str(body.target), None)
+    return module if isinstance(module, fx.GraphModule) else None
 
 
 def _routed_in_subgraph(gm: fx.GraphModule, ids: fx.Node) -> Optional[str]:
     """What runs the experts, when the ids (or a view of them) go into a subgraph (``torch.utils.checkpoint``'s
     function) that dispatches them and holds a matrix product; else None."""
-    frontier, seen = [ids], {ids}
-    while frontier:
-        node = frontier.pop()
-        for call in node.users:
-            if canonical_name(call) in _ID_VIEWS and call not in seen:
-                seen.add(call)
-                frontier.append(call)
-            name = canonical_name(call) if isinstance(call.target, torch._ops.HigherOrderOperator) else None
-            body = getattr(gm, str(call.args[0].target), None) if name in _SUBGRAPH_NAMES and isinstance(
-                call.args[0], fx.Node) else None
-            if not isinstance(body, fx.GraphModule):
-                continue
-            inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-            reads = [p for p, a in zip(inner, call.args[1:]) if a is node]
-            routed = _reach(reads, lambda n: [u for u in n.users if canonical_name(u) in _ID_VIEWS or
-                                              ROLE_OF.get(canonical_name(u)) == "dispatch"], set(body.graph.nodes))
-            if any(ROLE_OF.get(canonical_name(n)) == "dispatch" for n in routed) and any(
-                    ROLE_OF.get(canonical_name(n)) in ("grouped_mm", "matmul") for n in body.graph.nodes):
-                return _SUBGRAPH_NAMES[name]
+    def routing(n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if canonical_name(u) in _ID_VIEWS or ROLE_OF.get(canonical_name(u)) == "dispatch"]
+
+    views = {ids} | _reach([ids], lambda n: [u for u in n.users if canonical_name(u) in _ID_VIEWS])
+    for call in {u for v in views for u in v.users}:
+        body = subgraph_body(gm, call)
+        if body is None:
+            continue
+        reads = [p for p, a in zip(body.graph.find_nodes(op="placeholder"), call.args[1:]) if a in views]
+        if any(ROLE_OF.get(canonical_name(n)) == "dispatch" for n in _reach(reads, routing)) and any(
+                ROLE_OF.get(canonical_name(n)) in ("grouped_mm", "matmul") for n in body.graph.nodes):
+            return f"{SUBGRAPH_OPS[call.target.name()]}'s function"
     return None
 
 
@@ -475,14 +482,15 @@ def _users(node: fx.Node) -> Iterable[fx.Node]:
     return node.users
 
 
-def _reach(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], within: set[fx.Node]
-           ) -> set[fx.Node]:
-    """The nodes of ``within`` that ``step`` (``_inputs`` or ``_users``) leads to from ``starts``, transitively."""
+def _reach(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
+           within: Optional[set[fx.Node]] = None) -> set[fx.Node]:
+    """The nodes (of ``within``, when given) that ``step`` (``_inputs``, ``_users``) leads to from ``starts``,
+    transitively."""
     seen: set[fx.Node] = set()
     stack = list(starts)
     while stack:
         for n in step(stack.pop()):
-            if n in within and n not in seen:
+            if (within is None or n in within) and n not in seen:
                 seen.add(n)
                 stack.append(n)
     return seen

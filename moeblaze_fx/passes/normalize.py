@@ -136,14 +136,6 @@ def _role_of(node: fx.Node) -> Optional[str]:
     return ROLE_OF.get(name)
 
 
-def shares_storage(a: Any, b: Any) -> bool:
-    """True when two recorded values are tensors over one storage (Dynamo's fake tensors keep the aliasing of the
-    real ones: a view, ``x.to(x.dtype)``, an in-place update's result)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return False
-    return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
-
-
 def _storage(value: Any) -> Optional[StorageWeakRef]:
     return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
