@@ -503,7 +503,12 @@ def _body(ids: fx.Node, out: fx.Node, asserts: set[fx.Node]) -> set[fx.Node]:
 
 def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node], set[fx.Node]]:
     """Walk up the post-dominators of ids to the first float [T, ...] tensor with an expert product
-    behind it: where the per-expert routes meet again, after the reduction over the K choices."""
+    behind it: where the per-expert routes meet again, after the reduction over the K choices.
+
+    With K = 1 a token's one expert output is already [T, d], before the routing weight is applied (HF
+    ``batched_mm``: ``out * w.unsqueeze(-1)`` after the products). The walk then goes on to the first point whose
+    region reads a weight-sized [T] float from outside, as long as the nodes it adds read no other [T, d] float
+    (a residual) from outside."""
     T = _num_tokens(ids)
     node = ipdom[ids]
     while node.op != "output":
@@ -512,9 +517,42 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
             if same_size(val.numel(), T * val.shape[-1]):
                 body = _body(ids, node, asserts)
                 if any(role(n) in ("grouped_mm", "matmul") for n in body):
+                    if example_value(ids).shape[-1] == 1 and not _reads_weights(body, T):
+                        return _weighted_point(ids, node, body, ipdom, asserts, T)
                     return node, body
         node = ipdom[node]
     return None, set()
+
+
+def _outside_floats(body: set[fx.Node], readers: Optional[set[fx.Node]] = None) -> Iterable[torch.Tensor]:
+    """The float tensors from outside ``body`` that its nodes (those of ``readers``, when given) read."""
+    for n in body if readers is None else readers:
+        for i in n.all_input_nodes:
+            val = example_value(i)
+            if i not in body and isinstance(val, torch.Tensor) and val.is_floating_point():
+                yield val
+
+
+def _reads_weights(body: set[fx.Node], T) -> bool:
+    return any(same_size(v.numel(), T) for v in _outside_floats(body))
+
+
+def _weighted_point(ids, first, first_body, ipdom, asserts, T) -> tuple[fx.Node, set[fx.Node]]:
+    """For K = 1: the first post-dominator after ``first`` whose region reads the routing weights, or ``first``
+    when the walk meets a node reading another [T, d] float from outside first."""
+    d = example_value(first).shape[-1]
+    node = ipdom[first]
+    while node.op != "output":
+        val = example_value(node)
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point() and same_size(val.numel(), T * d)):
+            break
+        body = _body(ids, node, asserts)
+        if any(same_size(v.numel(), T * d) for v in _outside_floats(body, body - first_body)):
+            break
+        if _reads_weights(body, T):
+            return node, body
+        node = ipdom[node]
+    return first, first_body
 
 
 def same_size(a, b) -> bool:
@@ -560,7 +598,8 @@ def _pull_in_support(body: set[fx.Node], ids: fx.Node, params: set[fx.Node], sta
         val = example_value(node)
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             return True
-        return same_size(val.numel(), num_tokens * d) or same_size(val.numel(), num_tokens * K)
+        tokens = val.dim() >= 1 and same_size(val.shape[-1], d) and same_size(val.numel(), num_tokens * d)
+        return tokens or same_size(val.numel(), num_tokens * K)
 
     changed = True
     while changed:

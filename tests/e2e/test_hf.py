@@ -16,14 +16,16 @@ COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_atten
               max_position_embeddings=64)
 
 
-def build(family: str, impl: str, dtype: torch.dtype):
+def build(family: str, impl: str, dtype: torch.dtype, top_k: int = 2):
+    """``top_k`` applies to qwen3_moe, whose top-1 weights are the router's probabilities (Mixtral renormalizes
+    them to 1, so its router gets no gradient at top-1)."""
     if family == "mixtral":
         cfg = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
         cls = transformers.MixtralForCausalLM
     elif family == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=24, intermediate_size=64, num_experts=8,
-                                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                                          norm_topk_prob=True, head_dim=8)
+                                          num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                                          norm_topk_prob=top_k > 1, head_dim=8)
         cls = transformers.Qwen3MoeForCausalLM
     else:
         cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8, num_experts_per_tok=2)
@@ -55,6 +57,16 @@ def test_causal_lm_one_rewrite_per_layer(family, impl, dtype):
                                  options={"inductor": False})
     assert got == {"rewritten": LAYERS}
     assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_top1_one_rewrite_per_layer(impl):
+    """Top-1: under batched_mm a token's expert output is [T, d] before its routing weight is applied, so the
+    region must run on to the weighting (it ended before it, and was skipped for reading no weights)."""
+    model = build("qwen3_moe", impl, torch.float32, top_k=1)
+    got = run_eager_and_compiled(model, (_tokens(),))
+    assert got == {"rewritten": LAYERS}
+    assert [r.K for r in moeblaze_fx.last_report()] == [1] * LAYERS
 
 
 def test_mixtral_through_inductor_recompute():
@@ -196,6 +208,16 @@ def test_mixtral_bf16_training_step_on_cuda(checkpoint):
     model = build("mixtral", "grouped_mm", torch.bfloat16).cuda()
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
     got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={"checkpoint": checkpoint})
+    assert got == {"rewritten": LAYERS}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_top1_bf16_training_step_on_cuda(impl):
+    """Top-1 (K = 1) reaches the operator's CUDA kernels: a compiled bf16 step equals eager."""
+    model = build("qwen3_moe", impl, torch.bfloat16, top_k=1).cuda()
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
+    got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={})
     assert got == {"rewritten": LAYERS}
 
 

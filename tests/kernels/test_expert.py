@@ -352,6 +352,7 @@ CPU_CASES = [
     (29, 24, 40, 3, 2, "sentinel", "ids >= E (no expert), a token routed nowhere"),
     (1, 20, 12, 3, 2, "random", "T = 1: one token, two one-row tiles"),
     (9, 16, 16, 4, 4, "all_experts", "K = E"),
+    (23, 24, 40, 5, 1, "empty_expert", "top-1: K = 1 (a compile-time constant of the gathering kernels)"),
 ]
 
 
@@ -776,6 +777,7 @@ CUDA_CASES = [
     (600, 192, 256, 8, 2, "random", "swiglu_oai(alpha=1.702,limit=7.0)", True, "hf_fused", "gpt-oss activation"),
     (600, 192, 256, 8, 2, "random", "relu", True, "list", "plain activation, ModuleList experts"),
     (1, 64, 64, 3, 2, "random", "swiglu", False, "dense", "T = 1"),
+    (900, 256, 512, 8, 1, "random", "swiglu", False, "hf_fused", "top-1 (K = 1) on the sm_90 paths"),
 ]
 
 
