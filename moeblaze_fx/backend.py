@@ -4,6 +4,8 @@
 (normalize -> find -> extract -> prove -> rewrite), emits the report, and hands the graph to
 Inductor (``compile_fx``), so everything outside the MoE regions is compiled as by the default
 backend. AOTAutograd takes each MoEBlaze operator's backward from its registered autograd formula.
+``torch.compile``'s ``mode`` ("reduce-overhead", "max-autotune", ...) is Inductor's: its settings
+(``torch._inductor.list_mode_options``) are applied to that compile, as with the default backend.
 
 A graph holding MoEBlaze operators compiles under a cache-key tag (:func:`cache_key_tag`): torch's AOTAutograd and
 FX-graph caches key a graph by its code, which names the operators but not their schemas, autograd formulas or
@@ -103,7 +105,24 @@ def _tagged(inner_compile: Callable[..., Any], tag: str) -> Callable[..., Any]:
     return compile_tagged
 
 
-def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool) -> Callable[..., Any]:
+def mode_patches(mode: Optional[str], inductor: bool = True) -> dict[str, Any]:
+    """The Inductor settings of ``torch.compile``'s ``mode`` (torch passes a mode other than "default" on to a
+    backend named by string); a clear error for an unknown mode, or for one with ``inductor=False``."""
+    if mode is None or mode == "default":
+        return {}
+    if not isinstance(mode, str):
+        raise TypeError(f"moeblaze: mode must be a string such as 'reduce-overhead', got {mode!r}")
+    from torch._inductor import list_mode_options
+
+    patches = list_mode_options(mode)  # raises for an unknown mode, naming the known ones
+    if not inductor:
+        raise ValueError(f"moeblaze: mode={mode!r} sets Inductor options ({patches}), but inductor=False runs the "
+                         f"graph without Inductor: drop the mode or moeblaze_fx.patch(inductor=False)")
+    return patches
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool,
+             patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if not inductor:
@@ -118,23 +137,25 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool) 
                 return lookup_backend("aot_eager")(gm, example_inputs)
         return gm.forward
     tag = cache_key_tag(gm, example_inputs)
+    patches = patches or None
     if tag is None:
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
     # the tag around AOTAutograd's key, and around each graph's compile: the backward's runs at its first call, on
     # autograd's thread (config patches are per thread)
     with torch.compiler.config.patch(cache_key_tag=tag):
-        return compile_fx(gm, example_inputs, inner_compile=_tagged(compile_fx_inner, tag))
+        return compile_fx(gm, example_inputs, inner_compile=_tagged(compile_fx_inner, tag), config_patches=patches)
 
 
 def moeblaze_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                     options: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
+                     options: Optional[dict[str, Any]] = None, mode: Optional[str] = None) -> Callable[..., Any]:
     cfg = _config.from_options(options)
+    patches = mode_patches(mode, cfg.inductor)
     if not cfg.enabled:
-        return _compile(gm, example_inputs, cfg.inductor)
+        return _compile(gm, example_inputs, cfg.inductor, patches)
     counted = dict(counters["moeblaze"])
     new_gm = rewrite_graph(gm, example_inputs, options)
     try:
-        compiled = _compile(new_gm, example_inputs, cfg.inductor)
+        compiled = _compile(new_gm, example_inputs, cfg.inductor, patches)
     except BaseException:
         # Dynamo will trace this frame again (Inductor's "restart analysis") or give up on it: this
         # attempt's records and counts are not the graph that runs.

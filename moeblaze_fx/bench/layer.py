@@ -24,6 +24,11 @@ Providers:
   sorted rows, and the row says so;
 * ``hf-grouped-mm-compiled``: the same under default ``torch.compile``, compiled afresh for every shape
   (Dynamo is reset before each configuration, so no shape runs a dynamic-shape recompile);
+* ``moeblaze-graphs`` / ``hf-grouped-mm-graphs``: ``moeblaze-activations``' layer compiled with
+  ``backend="moeblaze"``, and ``hf-grouped-mm``'s with the default backend, both under
+  ``mode="reduce-overhead"``: each step replays CUDA graphs of the forward and the backward (CUDA only; the
+  weights are marked as static addresses, as parameters are; no peak column: the graphs' memory pool is
+  allocated when they are recorded, before the measured step);
 * ``liger``: Liger-Kernel's fused MoE (``liger_kernel.ops.fused_moe.LigerFusedMoEFunction``) when
   ``liger-kernel`` is importable and the device is CUDA.
 
@@ -313,6 +318,37 @@ def _build_hf(compiled: bool):
     return build
 
 
+def _cuda_graphed(layer: Callable[..., tuple[Tensor, Tensor]], backend: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``layer`` compiled under ``mode="reduce-overhead"``; each call is a new step of the CUDA-graph trees."""
+    compiled = torch.compile(layer, backend=backend, mode="reduce-overhead")
+
+    def graphed(x: Tensor, w_router: Tensor, w_gate_up: Tensor, w_down: Tensor, K: int) -> tuple[Tensor, Tensor]:
+        for w in (w_router, w_gate_up, w_down):  # as parameters are: not copied into the graph at each replay
+            torch._dynamo.mark_static_address(w)
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(x, w_router, w_gate_up, w_down, K)
+
+    graphed.cuda_graphs = True  # type: ignore[attr-defined]
+    return graphed
+
+
+def _build_graphs(moeblaze: bool):
+    def build(device: torch.device, dtype: torch.dtype):
+        if device.type != "cuda":
+            return None, "CUDA graphs need a CUDA device"
+        if moeblaze:
+            fn, note = _build_moeblaze("activations")(device, dtype)
+            return _cuda_graphed(fn, "moeblaze"), note + "; backend='moeblaze', mode='reduce-overhead'"
+        ok, why = _grouped_mm_probe(device, dtype)
+        if not ok:
+            return None, why
+        if dtype != torch.bfloat16:
+            return None, "torch._grouped_mm under Inductor takes bfloat16 only"
+        return _cuda_graphed(_hf_grouped_layer(True), "inductor"), "torch._grouped_mm; mode='reduce-overhead'"
+
+    return build
+
+
 def _build_liger(device: torch.device, dtype: torch.dtype):
     if device.type != "cuda":
         return None, "Liger's fused MoE runs Triton kernels on CUDA only"
@@ -341,6 +377,8 @@ PROVIDERS: dict[str, Provider] = {
         Provider("loop", "per-expert loop (Mixtral-style)", _build_loop),
         Provider("hf-grouped-mm", "HF grouped_mm, eager", _build_hf(False)),
         Provider("hf-grouped-mm-compiled", "HF grouped_mm, torch.compile", _build_hf(True)),
+        Provider("moeblaze-graphs", "MoEBlaze, save A|B, CUDA graphs", _build_graphs(True)),
+        Provider("hf-grouped-mm-graphs", "HF grouped_mm, torch.compile reduce-overhead", _build_graphs(False)),
         Provider("liger", "Liger fused MoE", _build_liger),
     )
 }
@@ -566,7 +604,7 @@ def _measure(layer: Callable[..., tuple[Tensor, Tensor]], cfg: LayerConfig, inpu
     out["tflops"] = layer_flops(cfg) / ms / 1e9
     out["frac_dense_gemm"] = out["tflops"] / dense_tflops if dense_tflops else None
 
-    if device.type == "cuda":
+    if device.type == "cuda" and not getattr(layer, "cuda_graphs", False):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)

@@ -36,6 +36,9 @@ TINY = [
 ]
 
 
+CUDA_ONLY = {"liger", "moeblaze-graphs", "hf-grouped-mm-graphs"}
+
+
 @pytest.fixture(scope="module")
 def all_providers():
     return _bench(TINY)
@@ -43,7 +46,7 @@ def all_providers():
 
 def test_every_provider_agrees_with_the_reference(all_providers):
     rows = all_providers.rows
-    runnable = [p for p in layer.PROVIDERS if p != "liger"]  # Liger is CUDA-only
+    runnable = [p for p in layer.PROVIDERS if p not in CUDA_ONLY]
     assert [(r["config"], r["provider"]) for r in rows] == [(c.name, p) for c in TINY for p in runnable]
     for r in rows:
         assert r["status"] == "ok", r
@@ -52,6 +55,8 @@ def test_every_provider_agrees_with_the_reference(all_providers):
         assert r["max_rel_err"] < 1e-5, r
         assert r["max_rel_err"] == max(r["rel_err"].values())
     assert "CUDA only" in all_providers.meta["skipped"]["liger"]
+    assert all_providers.meta["skipped"]["moeblaze-graphs"] == "CUDA graphs need a CUDA device"
+    assert set(all_providers.meta["skipped"]) == CUDA_ONLY
 
 
 def test_hf_provider_says_it_uses_the_fallback_on_cpu(all_providers):
@@ -228,7 +233,8 @@ def test_markdown_table(all_providers):
         assert float(cells[2]) == pytest.approx(row["ms"], abs=0.005, rel=0.05)  # two decimals
         assert cells[6] == "-"  # no peak memory on the CPU
         assert float(cells[7]) == pytest.approx(row["max_rel_err"], rel=0.06)
-    assert "Skipped providers: liger: Liger's fused MoE runs Triton kernels on CUDA only." in md
+    assert ("Skipped providers: moeblaze-graphs: CUDA graphs need a CUDA device; hf-grouped-mm-graphs: CUDA graphs "
+            "need a CUDA device; liger: Liger's fused MoE runs Triton kernels on CUDA only.") in md
 
 
 def test_config_parsing_and_sweep():

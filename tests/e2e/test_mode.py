@@ -1,0 +1,133 @@
+"""torch.compile's ``mode`` with backend="moeblaze": Inductor's settings for the mode are in force while the
+rewritten graph compiles (forward and backward), as with the default backend; "reduce-overhead" runs the step,
+MoEBlaze operators included, as CUDA graphs."""
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.compile_fx as inductor_compile_fx
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+
+import moeblaze_fx
+from moeblaze_fx.backend import mode_patches
+from moeblaze_fx.models import TinyMoETransformer
+
+LAYERS = 2
+
+
+def _model(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    return TinyMoETransformer(vocab=64, d=32, h=48, layers=LAYERS, heads=2, num_experts=4, top_k=2).to(device, dtype)
+
+
+def _tokens(step=0, device="cpu"):
+    return torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step)).to(device)
+
+
+@pytest.fixture
+def inductor_settings(monkeypatch):
+    """The Inductor settings each graph (forward, then backward) was compiled under (torch's compile caches off:
+    a cached graph is not compiled again)."""
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    seen = []
+    real = inductor_compile_fx._compile_fx_inner
+
+    def spy(*args, **kwargs):
+        seen.append((inductor_config.triton.cudagraphs, inductor_config.max_autotune))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(inductor_compile_fx, "_compile_fx_inner", spy)  # what compile_fx_inner calls
+    return seen
+
+
+@pytest.mark.parametrize("mode,expect", [
+    (None, (False, False)),
+    ("default", (False, False)),
+    ("reduce-overhead", (True, False)),  # CUDA graphs (skipped by Inductor for CPU tensors: the step still runs)
+    ("max-autotune-no-cudagraphs", (False, True)),
+])
+def test_mode_settings_reach_both_graphs(inductor_settings, mode, expect):
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    want = model.loss(_tokens())
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model.loss, backend="moeblaze", mode=mode, fullgraph=True)
+    got = compiled(_tokens())
+    got.backward()
+    assert counters["moeblaze"]["rewritten"] == LAYERS
+    assert inductor_settings == [expect, expect]  # the forward's compile, then the backward's
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for p, g in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
+def test_mode_with_options_through_patch(inductor_settings):
+    """torch.compile takes a mode or options, not both: with a mode, the backend's options come from
+    moeblaze_fx.patch around the first call (the compile)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    with moeblaze_fx.patch(checkpoint="recompute"):
+        torch.compile(model.loss, backend="moeblaze", mode="reduce-overhead", fullgraph=True)(_tokens()).backward()
+    assert [r.policy for r in moeblaze_fx.last_report()] == ["recompute"] * LAYERS
+    assert inductor_settings == [(True, False)] * 2
+    torch._dynamo.reset()
+    inductor_settings.clear()
+    with moeblaze_fx.patch(enabled=False):  # the passes off: the default backend, in the same mode
+        torch.compile(model.loss, backend="moeblaze", mode="reduce-overhead", fullgraph=True)(_tokens()).backward()
+    assert inductor_settings == [(True, False)] * 2
+
+
+def test_unknown_mode_is_a_clear_error():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Unrecognized mode=fastest, should be one of: .*reduce-overhead"):
+        torch.compile(_model().loss, backend="moeblaze", mode="fastest")(_tokens())
+
+
+def test_mode_without_inductor_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"mode='reduce-overhead' sets Inductor options .* inductor=False"):
+        mode_patches("reduce-overhead", inductor=False)
+    assert mode_patches("default", inductor=False) == {}
+    with pytest.raises(TypeError, match="mode must be a string"):
+        mode_patches(1)
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_training_steps_on_cuda(monkeypatch):
+    """bf16 steps of a MoE transformer as CUDA graphs: forward and backward recorded once each, no graph skipped,
+    then replayed on new tokens with the loss and every gradient equal to eager's at each step."""
+    from torch._inductor import cudagraph_trees
+
+    recorded = []
+    real = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def spy(self, *args, **kwargs):
+        recorded.append(self)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", spy)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(torch.bfloat16, "cuda")
+    compiled = torch.compile(model.loss, backend="moeblaze", mode="reduce-overhead", fullgraph=True)
+    for step in range(4):  # warm-up, recording, then replays
+        tokens = _tokens(step, "cuda")
+        want = model.loss(tokens)
+        want.backward()
+        want_grads = [p.grad.float().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(tokens)
+        got.backward()
+        got_grads = [p.grad.float().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        for (name, _), a, b in zip(model.named_parameters(), got_grads, want_grads):
+            rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            assert rel <= 4e-2, f"step {step}: gradient of {name}: relative error {rel:.3g}"
+    assert counters["moeblaze"]["rewritten"] == LAYERS
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(recorded) == 2  # the forward graph and the backward graph, each recorded once
+    assert all(r.status == "rewritten" for r in moeblaze_fx.last_report())
