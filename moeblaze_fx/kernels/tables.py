@@ -13,11 +13,15 @@ table's content is a function of the key, so a hit is always right, and a step r
 step's tables instead of launching kernels for them (three launches per table before: 27 of a layer
 step's 78; H100, benchmarks/RESULTS.md, sixteenth session).
 Tables of separate tensors are a host-to-device copy of E addresses, cached by those addresses.
+No table is cached while this thread allocates from a CUDA graph's private memory pool (a capture, or the
+warm-up run of torch.compile's CUDA-graph trees under ``mode="reduce-overhead"``): the graph reuses that
+memory, so a cached table would be overwritten, and the trees reject a warm-up that leaves such a tensor alive.
 """
 from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import NamedTuple, Sequence
 
 import torch
@@ -69,11 +73,23 @@ def table_of(w: Tensor) -> WeightTable:
     return WeightTable(ptrs, r, c, w.stride(1), w.stride(2), w.dtype, math.gcd(16, w.data_ptr(), step), w)
 
 
+def _trees_warming_up(device: torch.device) -> bool:
+    """Whether torch.compile's CUDA-graph trees are running a graph's warm-up on ``device``: eagerly, with this
+    thread's allocations coming from the pool of the graphs they record next."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # imported by Inductor once it compiles for graphs
+    if trees is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    manager = trees.get_manager(index, create_if_none_exists=False)
+    return manager is not None and manager.in_warmup
+
+
 def _strided_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
     """``[E]`` int64 addresses ``first + e * step`` on ``device``. On CUDA, cached per stream (a hit is never read
-    on a stream the kernel that wrote it may not have reached), except while that stream captures a CUDA graph:
-    a tensor made then holds its values only once the graph replays."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    on a stream the kernel that wrote it may not have reached), except while allocations come from a CUDA graph's
+    pool: a tensor made during a capture holds its values only once the graph
+    replays, and one made during the trees' warm-up sits in memory the recorded graph reuses."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or _trees_warming_up(device):
         return _arange_ptrs(first, E, step, device)
     stream = torch.cuda.current_stream(device)
     return _cached_strided_ptrs(first, E, step, stream.device, stream.cuda_stream)
@@ -90,10 +106,27 @@ def _arange_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
     return torch.arange(first, first + E * step, step, dtype=torch.int64, device=device)
 
 
-@functools.lru_cache(maxsize=256)
 def _cached_ptrs(addresses: tuple[int, ...], device: torch.device) -> Tensor:
-    return torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True) \
-        if device.type == "cuda" else torch.tensor(addresses, dtype=torch.int64, device=device)
+    """``[E]`` int64 ``addresses`` on ``device``, cached by them, except while allocations come from a CUDA graph's
+    pool. During a capture the graph copies them from pinned host memory at each replay, so that memory is kept
+    for the life of the process (8 bytes an expert, per captured table)."""
+    if device.type != "cuda":
+        return torch.tensor(addresses, dtype=torch.int64, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+        _CAPTURED_HOST_TABLES.append(host)
+        return host.to(device, non_blocking=True)
+    if _trees_warming_up(device):
+        return _addresses_tensor(addresses, device)
+    return _cached_addresses_tensor(addresses, device)
+
+
+def _addresses_tensor(addresses: tuple[int, ...], device: torch.device) -> Tensor:
+    return torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
+_cached_addresses_tensor = functools.lru_cache(maxsize=256)(_addresses_tensor)
+_CAPTURED_HOST_TABLES: list[Tensor] = []  # read by captured graphs' copies at every replay
 
 
 def table_of_list(ws: Sequence[Tensor]) -> WeightTable:

@@ -694,6 +694,23 @@ def test_table_of_is_cached_per_stream_and_not_while_capturing():
     assert a.tolist() == b.tolist() == c.tolist() == expect
 
 
+@pytest.mark.cuda
+def test_table_of_list_in_a_captured_graph_is_made_afresh():
+    # Separate tensors' addresses are copied from pinned host memory: under capture the copy is part of the graph
+    # and reads that memory at each replay, so the table is made afresh (never the cache's) and still right then.
+    ws = [torch.empty(8, 16, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    a = table_of_list(ws).ptrs
+    assert table_of_list(ws).ptrs is a
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = table_of_list(ws).ptrs
+    assert c is not a and table_of_list(ws).ptrs is a
+    c.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert c.tolist() == a.tolist() == [w.data_ptr() for w in ws]
+
+
 def test_table_align_is_the_largest_proven_power_of_two():
     # The kernels' 16-byte loads rest on this hint: the tables' own `align` (bytes), lowered to a power of two
     # dividing it, the minimum over the tables; a table without the field proves nothing (1).
