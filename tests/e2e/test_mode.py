@@ -113,8 +113,9 @@ class _ListModel(torch.nn.Module):
 @pytest.mark.parametrize("experts", ["parameters", "module_list"])
 def test_reduce_overhead_training_steps_on_cuda(monkeypatch, experts):
     """bf16 steps of a MoE model as CUDA graphs: forward and backward recorded once each, no graph skipped, no
-    tensor left alive in the graphs' pool by the warm-up, then replayed on new tokens with the loss and every
-    gradient equal to eager's at each step."""
+    tensor left alive in the graphs' pool by the warm-up, then replayed on new tokens. Each step's loss and every
+    gradient equal those of the same compile without CUDA graphs (eager bf16 differs from any compile by its own
+    roundings: 0.1 in the embedding's gradient here, on an H200; the rewrite against eager is tested elsewhere)."""
     from torch._inductor import cudagraph_trees
 
     recorded = []
@@ -131,22 +132,55 @@ def test_reduce_overhead_training_steps_on_cuda(monkeypatch, experts):
     else:
         torch.manual_seed(0)
         model, layers = _ListModel().to("cuda", torch.bfloat16), 1
-    compiled = torch.compile(model.loss, backend="moeblaze", mode="reduce-overhead", fullgraph=True)
-    for step in range(4):  # warm-up, recording, then replays
-        tokens = _tokens(step, "cuda")
-        want = model.loss(tokens)
-        want.backward()
-        want_grads = [p.grad.float().clone() for p in model.parameters()]
+    plain = torch.compile(model.loss, backend="moeblaze", fullgraph=True)
+    graphed = torch.compile(model.loss, backend="moeblaze", mode="reduce-overhead", fullgraph=True)
+
+    def step(fn, tokens):
+        loss = fn(tokens)
+        loss.backward()
+        grads = [p.grad.float().clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
+        return loss.float().clone(), grads
+
+    for i in range(4):  # warm-up, recording, then replays
+        tokens = _tokens(i, "cuda")
+        want, want_grads = step(plain, tokens)
         torch.compiler.cudagraph_mark_step_begin()
-        got = compiled(tokens)
-        got.backward()
-        got_grads = [p.grad.float().clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        got, got_grads = step(graphed, tokens)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
         for (name, _), a, b in zip(model.named_parameters(), got_grads, want_grads):
             rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            assert rel <= 4e-2, f"step {step}: gradient of {name}: relative error {rel:.3g}"
-    assert counters["moeblaze"]["rewritten"] == layers
+            assert rel <= 1e-2, f"step {i}: gradient of {name}: relative error {rel:.3g}"
+    assert counters["moeblaze"]["rewritten"] == 2 * layers  # each compile rewrites every layer
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert len(recorded) == 2  # the forward graph and the backward graph, each recorded once
+
+
+@pytest.mark.cuda
+def test_bf16_compile_is_as_close_to_float32_as_inductors():
+    """The yardstick for the bf16 comparisons above: against the float32 model, the moeblaze compile's loss and
+    gradients are within 1.5x of the default Inductor compile's error: the operator adds no error of its own
+    beyond bf16 rounding."""
+    torch._dynamo.reset()
+    counters.clear()
+    ref_model = _model(torch.float32, "cuda")
+    model = _model(torch.bfloat16, "cuda")
+    tokens = _tokens(5, "cuda")
+
+    def errors(fn, m):
+        loss = fn(tokens)
+        loss.backward()
+        ref_loss = ref_model.loss(tokens)
+        ref_loss.backward()
+        out = {"loss": abs(loss.float().item() - ref_loss.item()) / abs(ref_loss.item())}
+        for (name, p), r in zip(m.named_parameters(), ref_model.parameters()):
+            out[name] = ((p.grad.float() - r.grad).norm() / r.grad.norm()).item()
+        m.zero_grad(set_to_none=True)
+        ref_model.zero_grad(set_to_none=True)
+        return out
+
+    inductor = errors(torch.compile(model.loss, fullgraph=True), model)
+    ours = errors(torch.compile(model.loss, backend="moeblaze", fullgraph=True), model)
+    assert counters["moeblaze"]["rewritten"] == LAYERS
+    for name, err in ours.items():
+        assert err <= 1.5 * inductor[name] + 1e-3, f"{name}: moeblaze {err:.3g}, Inductor {inductor[name]:.3g}"
