@@ -277,7 +277,8 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
                 continue
             layout, act = proof.layout, proof.activation
             grads = max(proof.gradient_errors.values(), default=0.0)
-            record.check = (f"numerical: forward and gradients within rel. error "
+            what = "forward (traced without gradients)" if proof.forward_only else "forward and gradients"
+            record.check = (f"numerical: {what} within rel. error "
                             f"{_order_of(max(proof.forward_error, grads)):.0e} of the operator")
         else:
             layout = ext.layouts[0]
@@ -288,7 +289,9 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         record.layout = f"{layout.describe(ext.role_names)}; activation {act.spec}"
         itemsize = torch.empty((), dtype=ext.dtype).element_size()
         t_hint = size_hint(ext.T)
-        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize)
+        # traced with no gradient to compute: nothing is saved for a backward, so the forward need not write A|B
+        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if example_value(cand.output).requires_grad \
+            else "recompute"
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
         rewrite(work, cand, ext, layout, act.spec, policy, chunk)
         record.status, record.policy = "rewritten", policy

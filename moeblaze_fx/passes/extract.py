@@ -267,8 +267,34 @@ def _constants(node: fx.Node) -> list[float]:
     return [float(a) for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
 
 
+# Elementwise functions that give an expert activation its shape. A region may call only those its activation
+# accounts for: one that calls another (a clamp beside silu, a tanh soft-cap, the tanh-approximated GELU) computes
+# another function, which a numerical check at small pre-activations can miss (a clamp at 10 is never reached there).
+_CLAMPS = {"clamp", "clamp_min", "clamp_max", "clip", "minimum", "maximum", "hardtanh"}
+_SHAPING = _CLAMPS | {
+    "silu", "sigmoid", "gelu", "gelu(approximate='tanh')", "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
+    "mish", "hardswish", "hardsigmoid", "softplus", "softsign", "logsigmoid", "tanh", "tanhshrink", "erf", "erfc",
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "square", "sqrt", "rsqrt", "reciprocal", "abs", "sign",
+    "sin", "cos"}
+_ACCOUNTED = {"swiglu": {"silu", "sigmoid"}, "silu": {"silu", "sigmoid"}, "geglu": {"gelu"}, "gelu": {"gelu"},
+              "relu": {"relu"}, "swiglu_oai": _CLAMPS | {"sigmoid"}}
+
+
+def _shaping_name(node: fx.Node) -> str:
+    name = canonical_name(node)
+    if name == "gelu" and (node.kwargs.get("approximate") or (node.args[1:2] or ["none"])[0]) != "none":
+        return "gelu(approximate='tanh')"
+    return name
+
+
+def unaccounted(cand: Candidate, act: Activation) -> list[str]:
+    """The activation-shaping functions the region calls that ``act`` does not compute."""
+    return sorted({_shaping_name(n) for n in cand.nodes} & _SHAPING - _ACCOUNTED[act.name])
+
+
 def _activations(cand: Candidate, gated: bool) -> list[Activation]:
-    """Activation candidates from the functions the region calls."""
+    """Activation candidates from the functions the region calls, each accounting for every activation-shaping
+    function the region calls."""
     nodes = {canonical_name(n): n for n in cand.nodes}
     found: list[Activation] = []
     clamps = [c for n in cand.nodes if canonical_name(n) in ("clamp", "clamp_max", "clamp_min", "clip")
@@ -284,7 +310,7 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
         found.append(Activation("relu"))
     if "silu" in nodes or "sigmoid" in nodes:
         found.append(Activation("swiglu" if gated else "silu"))
-    return found
+    return [act for act in found if not unaccounted(cand, act)]
 
 
 def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
@@ -341,7 +367,9 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     activations = {gated: _activations(cand, gated) for gated in (True, False)}
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:
-        return "no supported expert activation (SwiGLU, GeGLU, clamped SwiGLU, SiLU, GELU, ReLU) found in the region"
+        called = sorted({_shaping_name(n) for n in cand.nodes} & _SHAPING)
+        return (f"no supported expert activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU, SiLU, GELU, ReLU) "
+                f"computes what the experts call: {', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
         return "the expert weights and the tokens have different dtypes"

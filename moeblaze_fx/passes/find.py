@@ -281,7 +281,8 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
     return candidates
 
 
-_TRANSFORMERS_FIX = ("for transformers use experts_implementation='grouped_mm' (its default for whole models) or "
+_TRANSFORMERS_FIX = ("for a transformers model whose experts take an implementation (model.set_experts_implementation "
+                     "accepts it), use experts_implementation='grouped_mm' (its default for whole models) or "
                      "'batched_mm'")
 GRAPH_BREAK = (
     "Dynamo split this MoE block: the graph ends right after the routing and the experts run in other graphs "

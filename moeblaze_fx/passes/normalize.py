@@ -137,14 +137,26 @@ def _role_of(node: fx.Node) -> Optional[str]:
 
 
 def _storage(value: Any) -> Optional[StorageWeakRef]:
-    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+    """The storage of a recorded tensor value (of the tensor a ``torch.vmap`` batch wraps); None for a non-tensor or
+    a tensor whose storage cannot be read."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    while torch._C._functorch.is_batchedtensor(value):
+        value = torch._C._functorch.get_unwrapped(value)
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a tensor subclass without storage
+        return None
 
 
 def shares_storage(a: Any, b: Any) -> bool:
     """True when two recorded values are tensors over one storage (Dynamo's fake tensors keep the aliasing of the
-    real ones: a view however spelled, ``x.to(x.dtype)``, a piece of ``x.chunk(2)``, an in-place update's result)."""
-    ref = _storage(a)
-    return ref is not None and ref == _storage(b)
+    real ones: a view however spelled, ``x.to(x.dtype)``, a piece of ``x.chunk(2)``, an in-place update's result),
+    and, to be safe, when either is a tensor whose storage cannot be read."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    ref_a, ref_b = _storage(a), _storage(b)
+    return ref_a is None or ref_b is None or ref_a == ref_b
 
 
 def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:

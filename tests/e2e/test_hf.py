@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from helpers import rewritten_graph, run_eager_and_compiled
+from torch._dynamo.utils import counters
 
 import moeblaze_fx
 
@@ -57,6 +58,23 @@ def test_causal_lm_one_rewrite_per_layer(family, impl, dtype):
                                  options={"inductor": False})
     assert got == {"rewritten": LAYERS}
     assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_inference_under_no_grad_is_rewritten(impl):
+    """A graph traced under torch.no_grad (an evaluation loop) never runs a backward: the proof compares the forward
+    only (the region's gradients are not recorded there), and the operator does not write A|B."""
+    model = build("mixtral", impl, torch.float32)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens).logits
+        counters.clear()
+        got = torch.compile(model, backend="moeblaze", options={"inductor": False})(tokens).logits
+    assert dict(counters["moeblaze"]) == {"rewritten": LAYERS}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    records = moeblaze_fx.last_report()
+    assert [r.policy for r in records] == ["recompute"] * LAYERS
+    assert all(r.check.startswith("numerical: forward (traced without gradients) within rel. error") for r in records)
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])

@@ -101,7 +101,8 @@ def test_loop_with_a_different_expert_is_left_alone():
     assert run_eager_and_compiled(model, (_x(),)) == {"skipped": 1}
     (record,) = moeblaze_fx.last_report()
     assert record.status == "skipped"
-    assert "differs from the MoE operator" in record.reason
+    # no one activation accounts for both silu and gelu: left alone before any numerical check
+    assert record.reason.endswith("computes what the experts call: gelu, silu")
 
 
 def test_unknown_option_lists_valid_ones():
@@ -157,8 +158,7 @@ moeblaze: 1 of 1 MoE candidate(s) rewritten
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
   [0] skipped   tests/e2e/test_loop.py:49  per-expert loop [one_hot+where+index_add]
-      T=10 d=16 h=24 E=4 K=2 float32
-      reason: the region's output differs from the MoE operator (relative error 0.27 > 0.002 for every layout and activation tried)""")
+      reason: no supported expert activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU, SiLU, GELU, ReLU) computes what the experts call: relu, silu""")
 
 
 def test_zero_expert_weights_prove_nothing():

@@ -272,3 +272,19 @@ def test_updates_of_state_with_gradients_through_inductor():
     model = UpdatesState("per-expert-count")
     assert run_eager_and_compiled(model, (_x(),), options={}) == {"rewritten": 1}
     assert model.counts.sum().item() == 2 * 10 * model.K  # 10 tokens, in the eager step and the compiled one
+
+
+class VmapBeforeMoE(ModuleListMoE):
+    """torch.vmap in the same graph (Jamba's associative scan on the CPU vmaps its combine): Dynamo records values
+    as functorch batched tensors, whose storage is that of the tensor they wrap."""
+
+    def forward(self, hidden):
+        return super().forward(hidden + torch.vmap(torch.sin)(hidden))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_vmap_elsewhere_in_the_graph(verify):
+    """Before: reading a batched value's storage raised, and the whole graph was left unchanged ("internal error")."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(VmapBeforeMoE(), (_x(),), options={"inductor": False, "verify": verify}) == {
+        "rewritten": 1}

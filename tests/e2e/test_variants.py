@@ -110,6 +110,62 @@ def test_the_clamp_limit_is_read_from_the_graph():
     assert "limit=0.5)" in moeblaze_fx.last_report()[0].layout
 
 
+class ShapedActivationMoE(nn.Module):
+    """Experts whose activation differs from every MoEBlaze one only where the pre-activations are large, or by
+    little: a numerical check at small random inputs cannot tell them apart from SwiGLU or GeGLU."""
+
+    ACTS = {
+        # DeepSeek-V4 / HY-V4 (transformers): silu(gate.clamp(max=L)) * up.clamp(-L, L), L = 10
+        "clamped_swiglu": lambda g, u: F.silu(g.clamp(max=10.0)) * u.clamp(-10.0, 10.0),
+        # a tanh soft-cap of the gate, the identity to 1e-4 at these inputs
+        "softcapped_swiglu": lambda g, u: F.silu(30.0 * torch.tanh(g / 30.0)) * u,
+        # Gemma 4's gelu_pytorch_tanh experts: within 4e-5 of exact GeGLU
+        "tanh_geglu": lambda g, u: F.gelu(g, approximate="tanh") * u,
+    }
+
+    def __init__(self, act, d=16, h=12, E=4, K=2):
+        super().__init__()
+        self.router = nn.Linear(d, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * h, d) / d**0.5)
+        self.down = nn.Parameter(torch.randn(E, d, h) / h**0.5)
+        self.act, self.E, self.K = self.ACTS[act], E, K
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.router(x), dim=-1), self.K, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, k = torch.where(ids == e)
+            gate, up = (x[tok] @ self.gate_up[e].t()).chunk(2, dim=-1)
+            out.index_add_(0, tok, (self.act(gate, up) @ self.down[e].t()) * w[tok, k, None])
+        return out
+
+
+@pytest.mark.parametrize("act,called", [("clamped_swiglu", "clamp, silu"), ("softcapped_swiglu", "silu, tanh"),
+                                        ("tanh_geglu", "gelu(approximate='tanh')")])
+def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
+    """Each was rewritten as plain SwiGLU or GeGLU before, a different function (DeepSeek-V4's clamp at 10 shows
+    only once training grows the pre-activations past it): now left alone, with the functions named."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(ShapedActivationMoE(act), (_x(),)) == {"skipped": 1}
+    assert moeblaze_fx.last_report()[0].reason == (
+        "no supported expert activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU, SiLU, GELU, ReLU) computes what "
+        f"the experts call: {called}")
+
+
+def test_float32_proof_tolerance_follows_the_matmul_precision():
+    from moeblaze_fx.passes.prove import tolerance
+
+    cpu = torch.device("cpu")
+    assert tolerance(torch.float32, cpu) == 1e-4
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert tolerance(torch.float32, cpu) == 2e-3
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert tolerance(torch.bfloat16, cpu) == 6e-2
+
+
 class TestGolden(expecttest.TestCase):
     def test_gpt_oss_graph(self):
         torch.manual_seed(0)
