@@ -287,9 +287,15 @@ def _shaping_name(node: fx.Node) -> str:
     return name
 
 
+def _shaping(cand: Candidate) -> set[str]:
+    """The activation-shaping functions the region calls on floats (a clamp of the expert ids is none)."""
+    return {name for n in cand.nodes if (name := _shaping_name(n)) in _SHAPING
+            and isinstance(val := example_value(n), torch.Tensor) and val.is_floating_point()}
+
+
 def unaccounted(cand: Candidate, act: Activation) -> list[str]:
     """The activation-shaping functions the region calls that ``act`` does not compute."""
-    return sorted({_shaping_name(n) for n in cand.nodes} & _SHAPING - _ACCOUNTED[act.name])
+    return sorted(_shaping(cand) - _ACCOUNTED[act.name])
 
 
 def _activations(cand: Candidate, gated: bool) -> list[Activation]:
@@ -367,7 +373,7 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     activations = {gated: _activations(cand, gated) for gated in (True, False)}
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:
-        called = sorted({_shaping_name(n) for n in cand.nodes} & _SHAPING)
+        called = sorted(_shaping(cand))
         return (f"no supported expert activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU, SiLU, GELU, ReLU) "
                 f"computes what the experts call: {', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])

@@ -152,6 +152,32 @@ def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
         f"the experts call: {called}")
 
 
+class ClampedIdsBmmMoE(nn.Module):
+    """transformers 5.17's batched_mm experts: the ids clamped into range, weights gathered by id, bmm. A clamp of
+    integers shapes no activation."""
+
+    def __init__(self, d=16, h=12, E=4, K=2):
+        super().__init__()
+        self.router = nn.Linear(d, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * h, d) / d**0.5)
+        self.down = nn.Parameter(torch.randn(E, d, h) / h**0.5)
+        self.E, self.K = E, K
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.router(x), dim=-1), self.K, dim=-1)
+        flat = ids.reshape(-1).clamp(0, self.E - 1)
+        rows = x.repeat_interleave(self.K, dim=0)
+        gate, up = torch.bmm(self.gate_up[flat], rows.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (y * w.reshape(-1, 1)).view(-1, self.K, x.shape[-1]).sum(1)
+
+
+def test_a_clamp_of_the_ids_is_no_activation():
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(ClampedIdsBmmMoE(), (_x(),)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("activation swiglu")
+
+
 def test_float32_proof_tolerance_follows_the_matmul_precision():
     from moeblaze_fx.passes.prove import tolerance
 
