@@ -118,6 +118,23 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
     return values
 
 
+def _beyond_limit(region, args, x_arg, x2d, ids2d, w2d, experts, act, T: int, d: int) -> float:
+    """Forward error between the region and the reference with the tokens scaled so that the largest gate or up
+    pre-activation is 4x the activation's clamp limit. At the check's plain inputs a limit of 7 (gpt-oss) is seldom
+    reached, and a limit read wrongly from the graph (another clamp's constant) would pass unseen."""
+    with torch.no_grad():
+        rows = x2d[:256].float()
+        pre = max((rows @ w.float().reshape(-1, d).T).abs().amax().item()
+                  for w in (experts.gate, experts.up) if w is not None)
+        if not pre > 0:
+            return 0.0
+        scale = 4 * act.limit / pre
+        scaled = [(a.detach() * scale) if a is x_arg else a for a in args]
+        y_region = region(*scaled).reshape(T, d)
+        y_ref = moe_ffn_reference(x2d.detach() * scale, ids2d, w2d, experts, act)
+        return _rel_error(y_region.to(y_ref.dtype), y_ref, y_ref)
+
+
 def prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any]) -> Proof:
     """Find the layout and activation under which the region equals the operator (forward and gradients)."""
     # innermost no-op hooks: a caller's saved_tensors_hooks must not see the proof's tensors
@@ -188,6 +205,13 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
                                                   f"error {err:.2g} > {tol:g} for every layout and activation tried)",
                                      forward_error=err)
                     continue
+                if act.limit > 0:  # the clamp must be reached for its limit to be proven (see _beyond_limit)
+                    beyond = _beyond_limit(region, args, by_node[ext.x], x2d, ids2d, w2d, experts, act, T, ext.d)
+                    if beyond > tol:
+                        best = Proof(None, reason=f"the region's output differs from the MoE operator with "
+                                                  f"{act.spec} once the pre-activations pass its limit (relative "
+                                                  f"error {beyond:.2g} > {tol:g})", forward_error=beyond)
+                        continue
                 if forward_only:
                     ext.h = int(experts.gate.shape[1])
                     return Proof(layout, act, None, err, {}, saved_before, forward_only=True)

@@ -15,8 +15,9 @@ import moeblaze_fx
 class GptOssStyleMoE(nn.Module):
     """The gpt-oss expert math (transformers' GptOssExperts) over a static loop of experts."""
 
-    def __init__(self, d=16, h=12, E=4, K=2, alpha=1.702, limit=0.9):
+    def __init__(self, d=16, h=12, E=4, K=2, alpha=1.702, limit=0.9, up_limit=None):
         super().__init__()
+        self.up_limit = limit if up_limit is None else up_limit
         self.router = nn.Linear(d, E)
         self.gate_up_proj = nn.Parameter(torch.randn(E, d, 2 * h) / d**0.5)
         self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * h) * 0.1)
@@ -34,7 +35,7 @@ class GptOssStyleMoE(nn.Module):
             gate_up = x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
             gate, up = gate_up[..., ::2], gate_up[..., 1::2]
             gate = gate.clamp(min=None, max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
+            up = up.clamp(min=-self.up_limit, max=self.up_limit)
             glu = gate * torch.sigmoid(gate * self.alpha)
             y = ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
             out.index_add_(0, tok, y * scores[tok, k, None])
@@ -192,6 +193,20 @@ def test_float32_proof_tolerance_follows_the_matmul_precision():
     assert tolerance(torch.bfloat16, cpu) == 6e-2
 
 
+def test_gpt_oss_limit_is_proven_beyond_the_clamp():
+    """gpt-oss's own limit (7) is seldom reached at the check's plain inputs: the proof also runs the tokens scaled
+    past it. A gate clamped at 7 and an up clamped at 5 is no swiglu_oai (one limit): rewritten with limit 7 before,
+    a different function once |up| > 5; now left alone."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(GptOssStyleMoE(limit=7.0), (_x(),)) == {"rewritten": 1}
+    assert "swiglu_oai(alpha=1.702,limit=7.0)" in moeblaze_fx.last_report()[0].layout
+    torch._dynamo.reset()
+    assert run_eager_and_compiled(GptOssStyleMoE(limit=7.0, up_limit=5.0), (_x(),)) == {"skipped": 1}
+    assert moeblaze_fx.last_report()[0].reason.startswith(
+        "the region's output differs from the MoE operator with swiglu_oai(alpha=1.702,limit=7.0) once the "
+        "pre-activations pass its limit (relative error")
+
+
 class TestGolden(expecttest.TestCase):
     def test_gpt_oss_graph(self):
         torch.manual_seed(0)
@@ -273,6 +288,6 @@ return (getitem,)""")
         run_eager_and_compiled(GptOssStyleMoE(), (_x(),))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 1 of 1 MoE candidate(s) rewritten
-  [0] rewritten tests/e2e/test_variants.py:40  per-expert loop [where+index_add]
+  [0] rewritten tests/e2e/test_variants.py:41  per-expert loop [where+index_add]
       T=10 d=16 h=12 E=4 K=2 float32  policy=activations  saved for backward: 10.7 KB -> 2.7 KB
       layout: gate = gate_up_proj.T[0::2], up = gate_up_proj.T[1::2], down = down_proj.T, gate_bias = gate_up_proj_bias[0::2], up_bias = gate_up_proj_bias[1::2], down_bias = down_proj_bias; activation swiglu_oai(alpha=1.702,limit=0.9); check: numerical: forward and gradients within rel. error 1e-06 of the operator""")
