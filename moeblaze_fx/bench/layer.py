@@ -303,11 +303,16 @@ def _build_loop(device: torch.device, dtype: torch.dtype):
     return loop_layer, ""
 
 
+def _grouped_mm_for_inductor(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    ok, why = _grouped_mm_probe(device, dtype)
+    if ok and dtype != torch.bfloat16:
+        return False, "torch._grouped_mm under Inductor takes bfloat16 only"
+    return ok, why
+
+
 def _build_hf(compiled: bool):
     def build(device: torch.device, dtype: torch.dtype):
-        ok, why = _grouped_mm_probe(device, dtype)
-        if ok and compiled and dtype != torch.bfloat16:
-            ok, why = False, "torch._grouped_mm under Inductor takes bfloat16 only"
+        ok, why = (_grouped_mm_for_inductor if compiled else _grouped_mm_probe)(device, dtype)
         note = "torch._grouped_mm" if ok else f"per-expert matmul fallback ({why})"
         fn = _hf_grouped_layer(ok)
         if compiled:
@@ -339,11 +344,9 @@ def _build_graphs(moeblaze: bool):
         if moeblaze:
             fn, note = _build_moeblaze("activations")(device, dtype)
             return _cuda_graphed(fn, "moeblaze"), note + "; backend='moeblaze', mode='reduce-overhead'"
-        ok, why = _grouped_mm_probe(device, dtype)
+        ok, why = _grouped_mm_for_inductor(device, dtype)
         if not ok:
             return None, why
-        if dtype != torch.bfloat16:
-            return None, "torch._grouped_mm under Inductor takes bfloat16 only"
         return _cuda_graphed(_hf_grouped_layer(True), "inductor"), "torch._grouped_mm; mode='reduce-overhead'"
 
     return build

@@ -20,7 +20,7 @@ from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, subgraph_body
 from .normalize import normalize, operator_name
-from .prove import Proof, prove
+from .prove import Proof, prove, traced_with_gradients
 from .rewrite import rewrite
 
 __all__ = ["run_passes", "saved_bytes_after", "format_graph"]
@@ -290,8 +290,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         itemsize = torch.empty((), dtype=ext.dtype).element_size()
         t_hint = size_hint(ext.T)
         # traced with no gradient to compute: nothing is saved for a backward, so the forward need not write A|B
-        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if example_value(cand.output).requires_grad \
-            else "recompute"
+        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if traced_with_gradients(cand) else "recompute"
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
         rewrite(work, cand, ext, layout, act.spec, policy, chunk)
         record.status, record.policy = "rewritten", policy

@@ -24,7 +24,7 @@ from ..memory import SavedTensorBytes
 from .extract import Extraction, Layout
 from .find import Candidate, example_value, size_hint
 
-__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance"]
+__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients"]
 
 # Relative error ||region - reference|| / ||reference|| accepted per dtype. The reference runs the
 # same dtype with float32 accumulation; a wrong layout or function gives errors near 1. float32 gets 1e-4 where its
@@ -118,6 +118,13 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
     return values
 
 
+def traced_with_gradients(cand: Candidate) -> bool:
+    """Whether the region's output needed a gradient when traced. Dynamo guards a graph on the grad mode and on its
+    inputs' requires_grad, so a graph traced without (under torch.no_grad, or with nothing requiring grad) never
+    runs a backward."""
+    return bool(example_value(cand.output).requires_grad)
+
+
 def _beyond_limit(region, args, x_arg, x2d, ids2d, w2d, experts, act, T: int, d: int) -> float:
     """Forward error between the region and the reference with the tokens scaled so that the largest gate or up
     pre-activation is 4x the activation's clamp limit. At the check's plain inputs a limit of 7 (gpt-oss) is seldom
@@ -183,9 +190,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     def eager(fn, *a):
         return fn(*a)
 
-    # Dynamo guards a graph on the grad mode and on its inputs' requires_grad: one traced with no gradient in
-    # sight never runs a backward, and the region's own backward may not even be recorded then
-    forward_only = not example_value(cand.output).requires_grad
+    # no backward will run (the region's own backward may not even be recorded then): the forward alone is compared
+    forward_only = not traced_with_gradients(cand)
     best: Optional[Proof] = None
     with torch.enable_grad():
         stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
