@@ -64,7 +64,7 @@ from ..memory import saved_activation_bytes  # noqa: F401  (compare.py reads it 
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.reference import ExpertParams, moe_ffn_reference, split_gate_up
+from ..kernels.reference import ExpertParams, activation_forward, moe_ffn_reference, parse_activation, split_gate_up
 
 __all__ = [
     "LayerConfig",
@@ -171,9 +171,10 @@ def route(x: Tensor, w_router: Tensor, K: int) -> tuple[Tensor, Tensor]:
 BUDGET_ENV = "MOEBLAZE_BENCH_TRANSIENT_MIB"  # read at every step: a same-process A/B of the transient budget
 
 
-def _moeblaze_layer(policy: str, budget: int | None = None) -> Callable[..., tuple[Tensor, Tensor]]:
+def _moeblaze_layer(policy: str, budget: int | None = None,
+                    activation: str = "swiglu") -> Callable[..., tuple[Tensor, Tensor]]:
     """The operator under ``policy``; ``budget``: its transient_budget in bytes (None: the default, or
-    ``MOEBLAZE_BENCH_TRANSIENT_MIB`` MiB where that is set)."""
+    ``MOEBLAZE_BENCH_TRANSIENT_MIB`` MiB where that is set); ``activation``: the operator's spec."""
     from ..ops import default_chunk_tokens, moe_ffn
 
     def layer(x: Tensor, w_router: Tensor, w_gate_up: Tensor, w_down: Tensor, K: int) -> tuple[Tensor, Tensor]:
@@ -183,7 +184,7 @@ def _moeblaze_layer(policy: str, budget: int | None = None) -> Callable[..., tup
             b = int(os.environ[BUDGET_ENV]) << 20
         chunk = None if b is None else default_chunk_tokens(K, x.shape[1], w_down.shape[2], True,
                                                             x.element_size(), b)
-        return moe_ffn(x, ids, w, (w_gate_up, w_down), activation="swiglu", checkpoint=policy,
+        return moe_ffn(x, ids, w, (w_gate_up, w_down), activation=activation, checkpoint=policy,
                        chunk_tokens=chunk), ids
 
     return layer
@@ -236,7 +237,11 @@ def _per_expert_mm(rows: Tensor, weight_t: Tensor, counts: Tensor) -> Tensor:
     return torch.cat([piece @ weight_t[e] for e, piece in enumerate(pieces)])
 
 
-def _hf_grouped_layer(use_grouped_mm: bool) -> Callable[..., tuple[Tensor, Tensor]]:
+def _hf_grouped_layer(use_grouped_mm: bool, activation: str = "swiglu") -> Callable[..., tuple[Tensor, Tensor]]:
+    """transformers' grouped_mm experts; ``activation``: an operator spec, applied as the reference applies it
+    (for SwiGLU ``F.silu(gate) * up``)."""
+    act = parse_activation(activation)
+
     def layer(x: Tensor, w_router: Tensor, w_gate_up: Tensor, w_down: Tensor, K: int) -> tuple[Tensor, Tensor]:
         ids, w = route(x, w_router, K)
         T, d = x.shape
@@ -255,7 +260,7 @@ def _hf_grouped_layer(use_grouped_mm: bool) -> Callable[..., tuple[Tensor, Tenso
         else:
             gate_up = _per_expert_mm(rows, w_gu_t, counts)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
+        hidden = activation_forward(act, gate, up)
         if use_grouped_mm:
             y = torch._grouped_mm(hidden, w_down_t, offs=offsets)
         else:
@@ -428,6 +433,7 @@ def make_inputs(cfg: LayerConfig, device: torch.device, dtype: torch.dtype, seed
 class Reference:
     ids: Tensor  # [T, K] the expert choices of the benchmark dtype's router (same device as the inputs)
     tensors: dict[str, Tensor]  # "out", "dx", "dw_router", "dw_gate_up", "dw_down": float32, on the CPU
+    activation: str = "swiglu"  # the experts' activation (an operator spec)
 
 
 GRAD_NAMES = ("dx", "dw_router", "dw_gate_up", "dw_down")
@@ -440,7 +446,7 @@ def _reference_chunk(cfg: LayerConfig, device: torch.device) -> int:
     return max(1, min(cfg.T, REF_CHUNK_BYTES // per_token))
 
 
-def compute_reference(inputs: LayerInputs, ids: Tensor, chunk: int) -> Reference:
+def compute_reference(inputs: LayerInputs, ids: Tensor, chunk: int, activation: str = "swiglu") -> Reference:
     """The float32 reference on the same inputs and the given expert choices, chunked over tokens.
 
     The router weights follow the same softmax -> gather(ids) -> renormalize path in float32, so its
@@ -457,7 +463,7 @@ def compute_reference(inputs: LayerInputs, ids: Tensor, chunk: int) -> Reference
         probs = F.softmax(F.linear(xc, wr32), dim=-1)
         w = probs.gather(1, ids[lo:hi])
         w = w / w.sum(dim=-1, keepdim=True)
-        y = moe_ffn_reference(xc, ids[lo:hi], w, ExpertParams(*split_gate_up(wgu32), wd32), "swiglu")
+        y = moe_ffn_reference(xc, ids[lo:hi], w, ExpertParams(*split_gate_up(wgu32), wd32), activation)
         torch.autograd.backward(y, grad_y[lo:hi].float())
         outs.append(y.detach().cpu())
         dxs.append(xc.grad.cpu())
@@ -465,7 +471,7 @@ def compute_reference(inputs: LayerInputs, ids: Tensor, chunk: int) -> Reference
     tensors = {"out": torch.cat(outs), "dx": torch.cat(dxs)}
     for name, p in zip(GRAD_NAMES[1:], params32):
         tensors[name] = p.grad.cpu()
-    return Reference(ids, tensors)
+    return Reference(ids, tensors, activation)
 
 
 def rel_error(actual: Tensor, expected: Tensor, chunk_elems: int = 1 << 26) -> float:
@@ -628,7 +634,7 @@ def _measure(layer: Callable[..., tuple[Tensor, Tensor]], cfg: LayerConfig, inpu
             # Near-ties between bf16 router logits may pick other experts; check against its own choice.
             mismatched = int((ids != ref.ids).any(dim=-1).sum())
             notes.append(f"router chose other experts for {mismatched} tokens; checked against its own choice")
-            ref = compute_reference(inputs, ids, _reference_chunk(cfg, device))
+            ref = compute_reference(inputs, ids, _reference_chunk(cfg, device), ref.activation)
         errs = {"out": rel_error(y, ref.tensors["out"])}
         for name, g in zip(GRAD_NAMES, grads):
             if name == "dw_router" and cfg.K == 1:

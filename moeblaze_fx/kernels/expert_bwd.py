@@ -202,7 +202,7 @@ def _expert_dh_kernel(
     stride_dpre_s, stride_dpre_n,
     stride_hw_s, stride_hw_n,
     stride_part_c,
-    alpha, limit,  # fp32: swiglu_oai's parameters (unused otherwise)
+    alpha, limit,  # fp32: the clamped SwiGLUs' parameters (unused otherwise)
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
     W_ALIGN: tl.constexpr,

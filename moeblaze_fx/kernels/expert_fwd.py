@@ -7,7 +7,7 @@ A *pair* p = t*K + k is one entry of ``ids``; a *slot* is its row in the expert-
 Expert weights are read only through per-expert pointer tables (:class:`~moeblaze_fx.kernels.tables.WeightTable`):
 each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
 ``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
-read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai) have a gate
+read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai, swiglu_clamp) have a gate
 and an up projection, plain ones (silu, gelu, relu) only the gate projection.
 
 Data flow (three launches)::
@@ -83,14 +83,15 @@ __all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# The ACT constexpr of the kernels. Gated activations have codes < _FIRST_PLAIN.
-ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5}
+# The ACT constexpr of the kernels (the GATED constexpr says whether there is an up projection).
+ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6}
 _SWIGLU = tl.constexpr(0)
 _GEGLU = tl.constexpr(1)
 _SWIGLU_OAI = tl.constexpr(2)
 _SILU = tl.constexpr(3)
 _GELU = tl.constexpr(4)
 _RELU = tl.constexpr(5)
+_SWIGLU_CLAMP = tl.constexpr(6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +183,18 @@ def _gelu_grad(v):
 
 
 @triton.jit
+def _clamp_max(v, limit):
+    """``torch.clamp(v, max=limit)``: a NaN stays NaN (the GPU's plain minimum would return the limit, and hide it)."""
+    return tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _clamp(v, limit):
+    """``torch.clamp(v, -limit, limit)``, NaN kept as in :func:`_clamp_max`."""
+    return _clamp_max(tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit)
+
+
+@triton.jit
 def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
     """H from the fp32 pre-activations: gate ``a`` and (gated activations) up ``b``."""
     if ACT == _SWIGLU:
@@ -189,16 +202,19 @@ def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
     elif ACT == _GEGLU:
         hid = _gelu(a) * b
     elif ACT == _SWIGLU_OAI:
-        g = tl.minimum(a, limit)
-        u = tl.minimum(tl.maximum(b, -limit), limit)
+        g = _clamp_max(a, limit)
+        u = _clamp(b, limit)
         hid = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    elif ACT == _SWIGLU_CLAMP:
+        g = _clamp_max(a, limit)
+        hid = g * tl.sigmoid(g) * _clamp(b, limit)
     elif ACT == _SILU:
         hid = a * tl.sigmoid(a)
     elif ACT == _GELU:
         hid = _gelu(a)
     else:
         tl.static_assert(ACT == _RELU)
-        hid = tl.maximum(a, 0.0)
+        hid = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # F.relu keeps NaN
     return hid
 
 
@@ -219,13 +235,21 @@ def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
         d_a = d_hid * b * _gelu_grad(a)
         d_b = d_hid * gelu
     elif ACT == _SWIGLU_OAI:
-        g = tl.minimum(a, limit)
+        g = _clamp_max(a, limit)
         sig = tl.sigmoid(alpha * g)
         glu = g * sig
-        u1 = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+        u1 = _clamp(b, limit) + 1.0
         hid = u1 * glu
         d_a = tl.where(a <= limit, d_hid, 0.0) * u1 * (sig + alpha * glu * (1.0 - sig))
         d_b = tl.where(tl.abs(b) <= limit, d_hid, 0.0) * glu
+    elif ACT == _SWIGLU_CLAMP:
+        g = _clamp_max(a, limit)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        u = _clamp(b, limit)
+        hid = silu * u
+        d_a = tl.where(a <= limit, d_hid, 0.0) * u * (sig * (1.0 + g * (1.0 - sig)))
+        d_b = tl.where(tl.abs(b) <= limit, d_hid, 0.0) * silu
     elif ACT == _SILU:
         sig = tl.sigmoid(a)
         hid = a * sig
@@ -237,7 +261,7 @@ def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
         d_b = d_a
     else:
         tl.static_assert(ACT == _RELU)
-        hid = tl.maximum(a, 0.0)
+        hid = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # F.relu keeps NaN
         d_a = tl.where(a > 0.0, d_hid, 0.0)
         d_b = d_a
     return hid, d_a, d_b
@@ -270,7 +294,7 @@ def _expert_up_kernel(
     stride_wu_n, stride_wu_d,
     stride_hid_s, stride_hid_n,
     stride_pre_s, stride_pre_n,
-    alpha, limit,  # fp32: swiglu_oai's parameters (unused otherwise)
+    alpha, limit,  # fp32: the clamped SwiGLUs' parameters (unused otherwise)
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
     W_ALIGN: tl.constexpr,

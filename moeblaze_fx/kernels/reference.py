@@ -121,15 +121,18 @@ def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> Disp
 # Activations. A gated activation maps the pre-activations (gate, up) [n, h] each to H [n, h]; a
 # plain one maps the single pre-activation [n, h] (called ``gate`` here) to H.
 # ---------------------------------------------------------------------------------------------
-GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "swiglu_clamp")
 PLAIN_ACTIVATIONS = ("silu", "gelu", "relu")
 ACTIVATIONS = GATED_ACTIVATIONS + PLAIN_ACTIVATIONS
-_SPEC = re.compile(r"^(\w+)(?:\(alpha=([^,()]+),limit=([^,()]+)\))?$")
+CLAMPED_ACTIVATIONS = ("swiglu_oai", "swiglu_clamp")  # those with a limit
+_SPEC = re.compile(r"^(\w+)(?:\((?:alpha=([^,()]+),)?limit=([^,()]+)\))?$")
 
 
 class Activation(NamedTuple):
     """An expert activation. ``swiglu_oai`` is the clamped SwiGLU of gpt-oss:
-    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``."""
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``;
+    ``swiglu_clamp`` the clamped SwiGLU of DeepSeek-V4 and HY-V4: ``silu(clamp(gate, max=limit)) *
+    clamp(up, -limit, limit)``."""
 
     name: str
     alpha: float = 1.0
@@ -141,8 +144,11 @@ class Activation(NamedTuple):
 
     @property
     def spec(self) -> str:
-        """The string form the operator takes: ``"swiglu"``, ``"swiglu_oai(alpha=1.702,limit=7.0)"``."""
-        return f"{self.name}(alpha={self.alpha!r},limit={self.limit!r})" if self.name == "swiglu_oai" else self.name
+        """The string form the operator takes: ``"swiglu"``, ``"swiglu_oai(alpha=1.702,limit=7.0)"``,
+        ``"swiglu_clamp(limit=10.0)"``."""
+        if self.name == "swiglu_oai":
+            return f"{self.name}(alpha={self.alpha!r},limit={self.limit!r})"
+        return f"{self.name}(limit={self.limit!r})" if self.name == "swiglu_clamp" else self.name
 
 
 def parse_activation(spec: "str | Activation") -> Activation:
@@ -150,15 +156,20 @@ def parse_activation(spec: "str | Activation") -> Activation:
     if isinstance(spec, Activation):
         return spec
     m = _SPEC.match(spec) if isinstance(spec, str) else None
-    if m is None or m.group(1) not in ACTIVATIONS or (m.group(1) == "swiglu_oai") != (m.group(2) is not None):
-        raise ValueError(f"unknown activation {spec!r}; supported: {PLAIN_ACTIVATIONS + GATED_ACTIVATIONS[:2]} "
-                         f"and 'swiglu_oai(alpha=A,limit=L)'")
-    if m.group(2) is None:
-        return Activation(m.group(1))
-    alpha, limit = float(m.group(2)), float(m.group(3))
+    name = m and m.group(1)
+    if (m is None or name not in ACTIVATIONS or (name in CLAMPED_ACTIVATIONS) != (m.group(3) is not None)
+            or (name == "swiglu_oai") != (m.group(2) is not None)):
+        raise ValueError(f"unknown activation {spec!r}; supported: {PLAIN_ACTIVATIONS + GATED_ACTIVATIONS[:2]}, "
+                         f"'swiglu_oai(alpha=A,limit=L)' and 'swiglu_clamp(limit=L)'")
+    if name not in CLAMPED_ACTIVATIONS:
+        return Activation(name)
+    try:
+        alpha, limit = float(m.group(2) or 1.0), float(m.group(3))
+    except ValueError:
+        alpha = limit = math.nan
     if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
-        raise ValueError(f"swiglu_oai needs a finite alpha and a finite limit > 0; got {spec!r}")
-    return Activation("swiglu_oai", alpha, limit)
+        raise ValueError(f"{name} needs a finite alpha and a finite limit > 0; got {spec!r}")
+    return Activation(name, alpha, limit)
 
 
 def _gelu_grad(v: Tensor) -> Tensor:
@@ -180,6 +191,8 @@ def activation_forward(act: Activation, gate: Tensor, up: Tensor | None) -> Tens
     if name == "swiglu_oai":
         g = gate.clamp(max=act.limit)
         return (up.clamp(-act.limit, act.limit) + 1) * (g * torch.sigmoid(act.alpha * g))
+    if name == "swiglu_clamp":
+        return F.silu(gate.clamp(max=act.limit)) * up.clamp(-act.limit, act.limit)
     if name == "silu":
         return F.silu(gate)
     if name == "gelu":
@@ -204,6 +217,12 @@ def activation_backward(act: Activation, gate: Tensor, up: Tensor | None, d_h: T
         u1 = up.clamp(-L, L) + 1
         d_gate = d_h * u1 * (sig + a * g * sig * (1 - sig)) * (gate <= L)
         d_up = d_h * (g * sig) * ((up >= -L) & (up <= L))
+        return d_gate, d_up
+    if name == "swiglu_clamp":
+        L = act.limit
+        g = gate.clamp(max=L)
+        d_gate = d_h * up.clamp(-L, L) * _silu_grad(g) * (gate <= L)
+        d_up = d_h * F.silu(g) * ((up >= -L) & (up <= L))
         return d_gate, d_up
     if name == "silu":
         return d_h * _silu_grad(gate), None

@@ -277,7 +277,18 @@ _SHAPING = _CLAMPS | {
     "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "square", "sqrt", "rsqrt", "reciprocal", "abs", "sign",
     "sin", "cos"}
 _ACCOUNTED = {"swiglu": {"silu", "sigmoid"}, "silu": {"silu", "sigmoid"}, "geglu": {"gelu"}, "gelu": {"gelu"},
-              "relu": {"relu"}, "swiglu_oai": _CLAMPS | {"sigmoid"}}
+              "relu": {"relu"}, "swiglu_oai": _CLAMPS | {"sigmoid"}, "swiglu_clamp": _CLAMPS | {"silu", "sigmoid"}}
+
+
+def _bounds(node: fx.Node) -> list[float]:
+    """A clamp's finite constant bounds; an infinite one (Step-3.7's unclamped layers) bounds nothing."""
+    return [c for c in _constants(node) if math.isfinite(c)]
+
+
+def _no_op_clamp(node: fx.Node) -> bool:
+    """A clamp whose every bound is a constant infinity (or None): the identity."""
+    return (canonical_name(node) in ("clamp", "clamp_min", "clamp_max", "clip") and not _bounds(node)
+            and not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())))
 
 
 def _shaping_name(node: fx.Node) -> str:
@@ -289,7 +300,7 @@ def _shaping_name(node: fx.Node) -> str:
 
 def _shaping(cand: Candidate) -> set[str]:
     """The activation-shaping functions the region calls on floats (a clamp of the expert ids is none)."""
-    return {name for n in cand.nodes if (name := _shaping_name(n)) in _SHAPING
+    return {name for n in cand.nodes if (name := _shaping_name(n)) in _SHAPING and not _no_op_clamp(n)
             and isinstance(val := example_value(n), torch.Tensor) and val.is_floating_point()}
 
 
@@ -304,12 +315,17 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     nodes = {canonical_name(n): n for n in cand.nodes}
     found: list[Activation] = []
     clamps = [c for n in cand.nodes if canonical_name(n) in ("clamp", "clamp_max", "clamp_min", "clip")
-              for c in _constants(n)]
+              for c in _bounds(n)]
     if gated and "sigmoid" in nodes and clamps:
         sig_in = nodes["sigmoid"].args[0]
         alpha = next(iter(_constants(sig_in)), 1.0) if isinstance(sig_in, fx.Node) and canonical_name(sig_in) in (
             "mul", "mul_") else 1.0
         found.append(Activation("swiglu_oai", alpha, max(abs(c) for c in clamps)))
+    # DeepSeek-V4's clamp comes before the SiLU: one after it (Step-3.7's silu(gate).clamp(max=L)) is another
+    # function, whose difference at the limit (L against silu(L)) is near the float32 proof's tolerance
+    if gated and clamps and any(fn in nodes and isinstance(arg := nodes[fn].args[0], fx.Node)
+                                and canonical_name(arg) in _CLAMPS for fn in ("silu", "sigmoid")):
+        found.append(Activation("swiglu_clamp", 1.0, max(abs(c) for c in clamps)))
     if "gelu" in nodes:
         found.append(Activation("geglu" if gated else "gelu"))
     if "relu" in nodes and not gated:
@@ -374,8 +390,8 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:
         called = sorted(_shaping(cand))
-        return (f"no supported expert activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU, SiLU, GELU, ReLU) "
-                f"computes what the experts call: {', '.join(called) or 'no activation function'}")
+        return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
+                f"SiLU, GELU, ReLU) computes what the experts call: {', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
         return "the expert weights and the tokens have different dtypes"

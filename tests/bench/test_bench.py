@@ -117,6 +117,23 @@ def test_a_wrong_provider_shows_in_the_error_column():
     assert row["rel_err"]["dw_router"] > 0.1
 
 
+def test_layers_and_reference_take_the_activation():
+    """benchmarks/act_device.py times the layer with DeepSeek-V4's clamped SwiGLU: the MoEBlaze and HF layers and
+    the reference compute that activation (limit 0.5: most pre-activations are clamped), and SwiGLU measured against
+    its reference shows as an error."""
+    cfg = TINY[0]
+    inputs = layer.make_inputs(cfg, CPU, torch.float32, 0)
+    ids, _ = layer.route(inputs.pool[0][0], inputs.w_router, cfg.K)
+    act = "swiglu_clamp(limit=0.5)"
+    ref = layer.compute_reference(inputs, ids, cfg.T, act)
+    assert ref.activation == act
+    for fn in (layer._moeblaze_layer("activations", activation=act), layer._hf_grouped_layer(False, activation=act)):
+        fields, status = layer._run_one(fn, cfg, inputs, ref, CPU, 1, 1, 0.0)
+        assert status == "ok" and fields["max_rel_err"] < 1e-5, fields
+    fields, _ = layer._run_one(layer._moeblaze_layer("activations"), cfg, inputs, ref, CPU, 1, 1, 0.0)
+    assert fields["rel_err"]["out"] > 0.1
+
+
 def test_saved_bytes_differ_by_exactly_the_preactivations(all_providers):
     # The two policies save the same things except A|B: [T*K, 2h] in the layer's dtype.
     by = {(r["config"], r["provider"]): r["saved_bytes"] for r in all_providers.rows}

@@ -87,6 +87,32 @@ def test_top1_one_rewrite_per_layer(impl):
     assert [r.K for r in moeblaze_fx.last_report()] == [1] * LAYERS
 
 
+def build_deepseek_v4(impl: str, limit: float) -> torch.nn.Module:
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4")
+    cfg = transformers.DeepseekV4Config(**COMMON | dict(num_key_value_heads=1), head_dim=16, q_lora_rank=16,
+                                        o_lora_rank=16, o_groups=2, moe_intermediate_size=24, n_routed_experts=8,
+                                        num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["moe"] * LAYERS,
+                                        index_n_heads=2, index_head_dim=8, index_topk=8, sliding_window=8,
+                                        swiglu_limit=limit, num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(cfg).float()
+    model.set_experts_implementation(impl)
+    return model
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_deepseek_v4_clamped_swiglu_is_rewritten(impl):
+    """DeepSeek-V4's experts compute silu(gate.clamp(max=L)) * up.clamp(-L, L): rewritten as swiglu_clamp with the
+    model's limit. Limit 0.05 here, where the pre-activations of the random model (std ~0.1) pass it, so the step's
+    loss and gradients cross the clamps. Tolerance 5e-4: the mHC head's gradients are ill-conditioned, eager float32
+    itself is 1.3e-4 off float64 on model.hc_head.hc_base (CPU, 2026-11-26)."""
+    model = build_deepseek_v4(impl, 0.05)
+    assert run_eager_and_compiled(model, (_tokens(),), tol=5e-4) == {"rewritten": LAYERS}
+    assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == [
+        "activation swiglu_clamp(limit=0.05)"] * LAYERS
+
+
 def test_mixtral_through_inductor_recompute():
     model = build("mixtral", "grouped_mm", torch.float32)
     got = run_eager_and_compiled(model, (_tokens(),), options={"checkpoint": "recompute"})
@@ -234,6 +260,16 @@ def test_mixtral_bf16_training_step_on_cuda(checkpoint):
 def test_top1_bf16_training_step_on_cuda(impl):
     """Top-1 (K = 1) reaches the operator's CUDA kernels: a compiled bf16 step equals eager."""
     model = build("qwen3_moe", impl, torch.bfloat16, top_k=1).cuda()
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
+    got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={})
+    assert got == {"rewritten": LAYERS}
+
+
+@pytest.mark.cuda
+def test_deepseek_v4_bf16_training_step_on_cuda():
+    """DeepSeek-V4's clamped SwiGLU through the operator's CUDA kernels (Inductor): a compiled bf16 step equals
+    eager, with the clamps crossed (limit 0.05)."""
+    model = build_deepseek_v4("grouped_mm", 0.05).to(torch.bfloat16).cuda()
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
     got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={})
     assert got == {"rewritten": LAYERS}

@@ -116,8 +116,14 @@ class ShapedActivationMoE(nn.Module):
     little: a numerical check at small random inputs cannot tell them apart from SwiGLU or GeGLU."""
 
     ACTS = {
-        # DeepSeek-V4 / HY-V4 (transformers): silu(gate.clamp(max=L)) * up.clamp(-L, L), L = 10
+        # DeepSeek-V4 / HY-V4 (transformers): silu(gate.clamp(max=L)) * up.clamp(-L, L), L = 10: swiglu_clamp
         "clamped_swiglu": lambda g, u: F.silu(g.clamp(max=10.0)) * u.clamp(-10.0, 10.0),
+        # the same written with sigmoid, the gate clamped at 10 and the up at 5: no one limit fits
+        "two_limits_swiglu": lambda g, u: g.clamp(max=10.0) * torch.sigmoid(g.clamp(max=10.0)) * u.clamp(-5.0, 5.0),
+        # Step-3.7's clamped layers: the SiLU's output clamped, min(silu(g), L), not silu(min(g, L))
+        "clamped_after_silu": lambda g, u: F.silu(g).clamp(max=10.0) * u.clamp(-10.0, 10.0),
+        # Step-3.7's other layers: clamps at an infinite limit, the identity
+        "infinite_clamps": lambda g, u: F.silu(g).clamp(max=float("inf")) * u.clamp(-float("inf"), float("inf")),
         # a tanh soft-cap of the gate, the identity to 1e-4 at these inputs
         "softcapped_swiglu": lambda g, u: F.silu(30.0 * torch.tanh(g / 30.0)) * u,
         # Gemma 4's gelu_pytorch_tanh experts: within 4e-5 of exact GeGLU
@@ -141,16 +147,41 @@ class ShapedActivationMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("act,called", [("clamped_swiglu", "clamp, silu"), ("softcapped_swiglu", "silu, tanh"),
+@pytest.mark.parametrize("act,called", [("clamped_after_silu", "clamp, silu"), ("softcapped_swiglu", "silu, tanh"),
                                         ("tanh_geglu", "gelu(approximate='tanh')")])
 def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
-    """Each was rewritten as plain SwiGLU or GeGLU before, a different function (DeepSeek-V4's clamp at 10 shows
-    only once training grows the pre-activations past it): now left alone, with the functions named."""
+    """Each was rewritten as plain SwiGLU or GeGLU before, a different function (a clamp at 10 shows only once
+    training grows the pre-activations past it): now left alone, with the functions named."""
     torch.manual_seed(0)
     assert run_eager_and_compiled(ShapedActivationMoE(act), (_x(),)) == {"skipped": 1}
     assert moeblaze_fx.last_report()[0].reason == (
-        "no supported expert activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU, SiLU, GELU, ReLU) computes what "
-        f"the experts call: {called}")
+        "no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, SiLU, GELU, "
+        f"ReLU) computes what the experts call: {called}")
+
+
+@pytest.mark.parametrize("act,spec", [("clamped_swiglu", "swiglu_clamp(limit=10.0)"), ("infinite_clamps", "swiglu")])
+def test_clamped_swiglu_is_rewritten_and_matches_eager(act, spec):
+    """DeepSeek-V4's clamped SwiGLU is rewritten with its limit, proven with the tokens scaled past it (so its
+    gradients, checked by run_eager_and_compiled, cross the clamp's edge); clamps at infinity are no clamps."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(ShapedActivationMoE(act), (_x(),)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith(f"activation {spec}")
+
+
+def test_clamped_swiglu_past_the_limit_matches_eager():
+    """Tokens scaled so that most gate and up pre-activations pass the limit of 10: forward and every gradient
+    as eager's (the clamps' zero gradients included)."""
+    torch.manual_seed(0)
+    model = ShapedActivationMoE("clamped_swiglu")
+    assert run_eager_and_compiled(model, ((_x() * 40).detach().requires_grad_(),)) == {"rewritten": 1}
+
+
+def test_clamped_swiglu_with_two_limits_is_left_alone():
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(ShapedActivationMoE("two_limits_swiglu"), (_x(),)) == {"skipped": 1}
+    assert moeblaze_fx.last_report()[0].reason.startswith(
+        "the region's output differs from the MoE operator with swiglu_clamp(limit=10.0) once the pre-activations "
+        "pass its limit (relative error")
 
 
 class ClampedIdsBmmMoE(nn.Module):

@@ -15,7 +15,7 @@ import collections
 import pytest
 import torch
 
-from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd
+from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd, reference
 from moeblaze_fx.kernels.expert_bwd import expert_backward
 from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m, table_align
 from moeblaze_fx.kernels.reference import (
@@ -30,8 +30,10 @@ from moeblaze_fx.kernels.reference import (
 from moeblaze_fx.kernels.tables import ExpertTables, WeightTable, table_of, table_of_list
 
 POLICIES = ("activations", "recompute")
-# limit 0.6: with unit-variance pre-activations both clamps of swiglu_oai are active on many elements
-ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai(alpha=1.702,limit=0.6)", "silu", "gelu", "relu")
+# limit 0.6: with unit-variance pre-activations both clamps of swiglu_oai and swiglu_clamp are active on many
+# elements
+ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai(alpha=1.702,limit=0.6)", "swiglu_clamp(limit=0.6)", "silu", "gelu",
+               "relu")
 
 # ---------------------------------------------------------------------------------------------
 # Weight layouts: how a model stores its experts, and the [E, r, c] views (or lists of E [r, c]
@@ -812,6 +814,46 @@ def test_expert_kernels_bf16_cuda(T, d, h, E, K, ids_mode, act, bias, layout, wh
         a, b = (o1[k], o2[k]) if isinstance(o1[k], list) else ([o1[k]], [o2[k]])
         assert all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a, b)), \
             f"gradient of {k} is not bitwise deterministic"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("act", ["swiglu_clamp(limit=1.0)", "swiglu_oai(alpha=1.702,limit=1.0)"],
+                         ids=lambda a: a.split("(")[0])
+def test_clamped_swiglu_bf16_cuda(monkeypatch, act, policy):
+    """The clamped SwiGLUs with the clamps in the bulk of the pre-activations (limit 1: 16 % of the gates), in
+    bf16, against the float32 reference whose pre-activations are rounded to bf16 before the activation, as the
+    kernels' (and eager bf16's) are. Against the plain float32 reference the pre-activations that bf16 rounds
+    onto the limit from above pass a gradient the reference stops: a 6 % error in the gate's gradient from that
+    rounding alone (CPU, float32 arithmetic on the rounded values), whatever the kernel."""
+    forward = reference.activation_forward
+
+    def rounded(act, gate, up):
+        def r(t):  # the value rounded, the gradient passed straight through (as a bf16 matmul's output is)
+            return None if t is None else t + (t.to(torch.bfloat16).to(t.dtype) - t).detach()
+        return forward(act, r(gate), r(up))
+
+    monkeypatch.setattr(reference, "activation_forward", rounded)
+    case = make_case(600, 192, 256, 8, 2, act=act, layout="hf_fused", device="cuda", dtype=torch.bfloat16, seed=11)
+    check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ["swiglu_oai(alpha=1.702,limit=7.0)", "swiglu_clamp(limit=10.0)", "relu", "swiglu"],
+                         ids=lambda a: a.split("(")[0])
+def test_a_nan_token_stays_nan_cuda(act):
+    """A NaN among the tokens makes that token's output NaN, as torch's clamp and relu keep it. The GPU's plain
+    minimum and maximum return the operand that is not NaN: the clamped SwiGLUs turned a NaN pre-activation into
+    the limit, ReLU into 0, and the step went on with a finite loss."""
+    case = make_case(300, 128, 192, 4, 2, act=act, device="cuda", dtype=torch.bfloat16, seed=5)
+    case["x"][7] = float("nan")
+    a = parse_activation(act)
+    plan = dispatch_reference(case["ids"], 4, block_m=plan_block_m())
+    for keep in (True, False):
+        y, _ = expert_forward(case["x"], case["weights"], tables(role_views("dense", case["storage"], a.gated, 4)),
+                              plan, a, keep, *case["biases"])
+        assert torch.isnan(y[7]).all()
+        assert torch.isfinite(torch.cat([y[:7], y[8:]])).all()
 
 
 @pytest.mark.cuda

@@ -10,7 +10,8 @@ from moeblaze_fx.kernels.reference import ACTIVATIONS, ExpertParams, moe_ffn_ref
 from moeblaze_fx.ops import RoleView, encode_layout, moe_ffn
 
 T, d, h, E, K = 23, 8, 6, 4, 2
-SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=1.702,limit=0.7)"}
+SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=1.702,limit=0.7)",
+                                                "swiglu_clamp": "swiglu_clamp(limit=0.7)"}
 
 
 def _rand(*shape, g):
