@@ -298,10 +298,16 @@ def _shaping_name(node: fx.Node) -> str:
     return name
 
 
+def _on_floats(node: fx.Node) -> bool:
+    """Whether the node computes floats: a clamp of the expert ids (transformers 5.17's batched_mm) shapes no
+    activation, and its bounds are no clamp limit."""
+    return isinstance(val := example_value(node), torch.Tensor) and val.is_floating_point()
+
+
 def _shaping(cand: Candidate) -> set[str]:
-    """The activation-shaping functions the region calls on floats (a clamp of the expert ids is none)."""
+    """The activation-shaping functions the region calls on floats."""
     return {name for n in cand.nodes if (name := _shaping_name(n)) in _SHAPING and not _no_op_clamp(n)
-            and isinstance(val := example_value(n), torch.Tensor) and val.is_floating_point()}
+            and _on_floats(n)}
 
 
 def unaccounted(cand: Candidate, act: Activation) -> list[str]:
@@ -315,7 +321,7 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     nodes = {canonical_name(n): n for n in cand.nodes}
     found: list[Activation] = []
     clamps = [c for n in cand.nodes if canonical_name(n) in ("clamp", "clamp_max", "clamp_min", "clip")
-              for c in _bounds(n)]
+              and _on_floats(n) for c in _bounds(n)]
     if gated and "sigmoid" in nodes and clamps:
         sig_in = nodes["sigmoid"].args[0]
         alpha = next(iter(_constants(sig_in)), 1.0) if isinstance(sig_in, fx.Node) and canonical_name(sig_in) in (

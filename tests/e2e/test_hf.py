@@ -87,14 +87,14 @@ def test_top1_one_rewrite_per_layer(impl):
     assert [r.K for r in moeblaze_fx.last_report()] == [1] * LAYERS
 
 
-def build_deepseek_v4(impl: str, limit: float) -> torch.nn.Module:
+def build_deepseek_v4(impl: str, limit: float, **overrides) -> torch.nn.Module:
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4")
     cfg = transformers.DeepseekV4Config(**COMMON | dict(num_key_value_heads=1), head_dim=16, q_lora_rank=16,
                                         o_lora_rank=16, o_groups=2, moe_intermediate_size=24, n_routed_experts=8,
                                         num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["moe"] * LAYERS,
                                         index_n_heads=2, index_head_dim=8, index_topk=8, sliding_window=8,
-                                        swiglu_limit=limit, num_nextn_predict_layers=0)
+                                        swiglu_limit=limit, num_nextn_predict_layers=0, **overrides)
     torch.manual_seed(0)
     model = transformers.DeepseekV4ForCausalLM(cfg).float()
     model.set_experts_implementation(impl)
@@ -268,8 +268,11 @@ def test_top1_bf16_training_step_on_cuda(impl):
 @pytest.mark.cuda
 def test_deepseek_v4_bf16_training_step_on_cuda():
     """DeepSeek-V4's clamped SwiGLU through the operator's CUDA kernels (Inductor): a compiled bf16 step equals
-    eager, with the clamps crossed (limit 0.05)."""
-    model = build_deepseek_v4("grouped_mm", 0.05).to(torch.bfloat16).cuda()
+    eager, with the clamps crossed (limit 0.05). Sliding-window attention only: the compressed attentions' projections
+    get no gradient in eager at these lengths and a zero one through AOTAutograd (backend="aot_eager" too), which
+    the comparison would count as a difference."""
+    model = build_deepseek_v4("grouped_mm", 0.05, layer_types=["sliding_attention"] * LAYERS)
+    model = model.to(torch.bfloat16).cuda()
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
     got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={})
     assert got == {"rewritten": LAYERS}

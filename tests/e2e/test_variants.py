@@ -186,21 +186,21 @@ def test_clamped_swiglu_with_two_limits_is_left_alone():
 
 class ClampedIdsBmmMoE(nn.Module):
     """transformers 5.17's batched_mm experts: the ids clamped into range, weights gathered by id, bmm. A clamp of
-    integers shapes no activation."""
+    integers shapes no activation, and its bound (E - 1) is no clamp limit."""
 
-    def __init__(self, d=16, h=12, E=4, K=2):
+    def __init__(self, d=16, h=12, E=4, K=2, act=lambda g, u: F.silu(g) * u):
         super().__init__()
         self.router = nn.Linear(d, E, bias=False)
         self.gate_up = nn.Parameter(torch.randn(E, 2 * h, d) / d**0.5)
         self.down = nn.Parameter(torch.randn(E, d, h) / h**0.5)
-        self.E, self.K = E, K
+        self.E, self.K, self.act = E, K, act
 
     def forward(self, x):
         w, ids = torch.topk(F.softmax(self.router(x), dim=-1), self.K, dim=-1)
         flat = ids.reshape(-1).clamp(0, self.E - 1)
         rows = x.repeat_interleave(self.K, dim=0)
         gate, up = torch.bmm(self.gate_up[flat], rows.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-        y = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(self.down[flat], self.act(gate, up).unsqueeze(-1)).squeeze(-1)
         return (y * w.reshape(-1, 1)).view(-1, self.K, x.shape[-1]).sum(1)
 
 
@@ -208,6 +208,15 @@ def test_a_clamp_of_the_ids_is_no_activation():
     torch.manual_seed(0)
     assert run_eager_and_compiled(ClampedIdsBmmMoE(), (_x(),)) == {"rewritten": 1}
     assert moeblaze_fx.last_report()[0].layout.endswith("activation swiglu")
+
+
+def test_a_clamp_of_the_ids_is_no_clamp_limit():
+    """DeepSeek-V4 under transformers 5.17's batched_mm: the limit was read as the ids' bound E - 1 = 3 (the
+    largest clamp constant), which the proof then refused, and the block was left alone."""
+    torch.manual_seed(0)
+    model = ClampedIdsBmmMoE(act=lambda g, u: F.silu(g.clamp(max=0.5)) * u.clamp(-0.5, 0.5))
+    assert run_eager_and_compiled(model, (_x(),)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("activation swiglu_clamp(limit=0.5)")
 
 
 def test_float32_proof_tolerance_follows_the_matmul_precision():
