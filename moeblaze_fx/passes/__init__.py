@@ -300,6 +300,9 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             example_value(ext.weights).element_size(), policy, act.gated, ext.E,
             plan_block_m(x_val.device) if use_triton(x_val) else None,
         )
+        if not traced_with_gradients(cand):
+            # traced without gradients: neither graph saves anything (the proof's meter ran with gradients on)
+            record.saved_bytes_before = record.saved_bytes_after = 0
         rewritten += 1
     if rewritten:
         work.graph.lint()

@@ -257,6 +257,9 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
                            "computed from the ids joins them on another path, or an in-place update could not be "
                            "made functional)")
             continue
+        if any(role(n) == "attention" for n in body):
+            candidates.remove(cand)  # a sparse-attention indexer's top-k (DeepSeek-V3.2): it selects keys, no experts
+            continue
         cand.output = out
         capacity = _capacity_bound(body)
         if capacity is not None:

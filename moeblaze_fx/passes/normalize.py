@@ -68,6 +68,12 @@ ROLE_OF: dict[str, str] = {
     "less_equal": "compare",
     "greater": "compare",
     "greater_equal": "compare",
+    # attention: a top-k whose region calls it selects keys (a sparse-attention indexer), not experts
+    "scaled_dot_product_attention": "attention",
+    "_scaled_dot_product_flash_attention": "attention",
+    "_scaled_dot_product_efficient_attention": "attention",
+    "_scaled_dot_product_cudnn_attention": "attention",
+    "flex_attention": "attention",
 }
 ASSERT_NAMES = frozenset(
     {"_assert_scalar", "_assert_async", "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size"}

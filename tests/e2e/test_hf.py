@@ -74,6 +74,8 @@ def test_inference_under_no_grad_is_rewritten(impl):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     records = moeblaze_fx.last_report()
     assert [r.policy for r in records] == ["recompute"] * LAYERS
+    # nothing is saved for a backward in either graph (the report said 28.8 KB -> 2.1 KB, measured with gradients on)
+    assert [(r.saved_bytes_before, r.saved_bytes_after) for r in records] == [(0, 0)] * LAYERS
     assert all(r.check.startswith("numerical: forward (traced without gradients) within rel. error") for r in records)
 
 
@@ -260,19 +262,6 @@ def test_mixtral_bf16_training_step_on_cuda(checkpoint):
 def test_top1_bf16_training_step_on_cuda(impl):
     """Top-1 (K = 1) reaches the operator's CUDA kernels: a compiled bf16 step equals eager."""
     model = build("qwen3_moe", impl, torch.bfloat16, top_k=1).cuda()
-    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
-    got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={})
-    assert got == {"rewritten": LAYERS}
-
-
-@pytest.mark.cuda
-def test_deepseek_v4_bf16_training_step_on_cuda():
-    """DeepSeek-V4's clamped SwiGLU through the operator's CUDA kernels (Inductor): a compiled bf16 step equals
-    eager, with the clamps crossed (limit 0.05). Sliding-window attention only: the compressed attentions' projections
-    get no gradient in eager at these lengths and a zero one through AOTAutograd (backend="aot_eager" too), which
-    the comparison would count as a difference."""
-    model = build_deepseek_v4("grouped_mm", 0.05, layer_types=["sliding_attention"] * LAYERS)
-    model = model.to(torch.bfloat16).cuda()
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2)).cuda()
     got = run_eager_and_compiled(model, (tokens,), dtype=torch.bfloat16, options={})
     assert got == {"rewritten": LAYERS}
