@@ -8,7 +8,7 @@ Expert weights are read only through per-expert pointer tables (:class:`~moeblaz
 each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
 ``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
 read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai, swiglu_clamp) have a gate
-and an up projection, plain ones (silu, gelu, relu) only the gate projection.
+and an up projection, plain ones (silu, gelu, relu, relu2) only the gate projection.
 
 Data flow (three launches)::
 
@@ -84,7 +84,8 @@ __all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # The ACT constexpr of the kernels (the GATED constexpr says whether there is an up projection).
-ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6}
+ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6,
+             "relu2": 7}
 _SWIGLU = tl.constexpr(0)
 _GEGLU = tl.constexpr(1)
 _SWIGLU_OAI = tl.constexpr(2)
@@ -92,6 +93,7 @@ _SILU = tl.constexpr(3)
 _GELU = tl.constexpr(4)
 _RELU = tl.constexpr(5)
 _SWIGLU_CLAMP = tl.constexpr(6)
+_RELU2 = tl.constexpr(7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +214,9 @@ def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
         hid = a * tl.sigmoid(a)
     elif ACT == _GELU:
         hid = _gelu(a)
+    elif ACT == _RELU2:
+        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        hid = r * r
     else:
         tl.static_assert(ACT == _RELU)
         hid = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # F.relu keeps NaN
@@ -258,6 +263,11 @@ def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
     elif ACT == _GELU:
         hid = _gelu(a)
         d_a = d_hid * _gelu_grad(a)
+        d_b = d_a
+    elif ACT == _RELU2:
+        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        hid = r * r
+        d_a = d_hid * 2.0 * r
         d_b = d_a
     else:
         tl.static_assert(ACT == _RELU)

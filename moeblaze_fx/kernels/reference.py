@@ -122,7 +122,7 @@ def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> Disp
 # plain one maps the single pre-activation [n, h] (called ``gate`` here) to H.
 # ---------------------------------------------------------------------------------------------
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "swiglu_clamp")
-PLAIN_ACTIVATIONS = ("silu", "gelu", "relu")
+PLAIN_ACTIVATIONS = ("silu", "gelu", "relu", "relu2")
 ACTIVATIONS = GATED_ACTIVATIONS + PLAIN_ACTIVATIONS
 CLAMPED_ACTIVATIONS = ("swiglu_oai", "swiglu_clamp")  # those with a limit
 _SPEC = re.compile(r"^(\w+)(?:\((?:alpha=([^,()]+),)?limit=([^,()]+)\))?$")
@@ -132,7 +132,7 @@ class Activation(NamedTuple):
     """An expert activation. ``swiglu_oai`` is the clamped SwiGLU of gpt-oss:
     ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``;
     ``swiglu_clamp`` the clamped SwiGLU of DeepSeek-V4 and HY-V4: ``silu(clamp(gate, max=limit)) *
-    clamp(up, -limit, limit)``."""
+    clamp(up, -limit, limit)``; ``relu2`` the squared ReLU of Nemotron-H's (plain) experts: ``relu(gate) ** 2``."""
 
     name: str
     alpha: float = 1.0
@@ -199,6 +199,8 @@ def activation_forward(act: Activation, gate: Tensor, up: Tensor | None) -> Tens
         return F.gelu(gate)
     if name == "relu":
         return F.relu(gate)
+    if name == "relu2":
+        return torch.square(F.relu(gate))
     raise ValueError(f"unknown activation {act!r}")
 
 
@@ -230,6 +232,8 @@ def activation_backward(act: Activation, gate: Tensor, up: Tensor | None, d_h: T
         return d_h * _gelu_grad(gate), None
     if name == "relu":
         return d_h * (gate > 0), None
+    if name == "relu2":
+        return d_h * 2 * F.relu(gate), None
     raise ValueError(f"unknown activation {act!r}")
 
 

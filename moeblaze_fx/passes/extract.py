@@ -277,7 +277,8 @@ _SHAPING = _CLAMPS | {
     "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "square", "sqrt", "rsqrt", "reciprocal", "abs", "sign",
     "sin", "cos"}
 _ACCOUNTED = {"swiglu": {"silu", "sigmoid"}, "silu": {"silu", "sigmoid"}, "geglu": {"gelu"}, "gelu": {"gelu"},
-              "relu": {"relu"}, "swiglu_oai": _CLAMPS | {"sigmoid"}, "swiglu_clamp": _CLAMPS | {"silu", "sigmoid"}}
+              "relu": {"relu"}, "swiglu_oai": _CLAMPS | {"sigmoid"}, "swiglu_clamp": _CLAMPS | {"silu", "sigmoid"},
+              "relu2": {"relu", "square", "pow"}}
 
 
 def _bounds(node: fx.Node) -> list[float]:
@@ -336,6 +337,7 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
         found.append(Activation("geglu" if gated else "gelu"))
     if "relu" in nodes and not gated:
         found.append(Activation("relu"))
+        found.append(Activation("relu2"))  # Nemotron-H: relu(x) ** 2, spelled with square, pow or a product
     if "silu" in nodes or "sigmoid" in nodes:
         found.append(Activation("swiglu" if gated else "silu"))
     return [act for act in found if not unaccounted(cand, act)]
@@ -397,7 +399,8 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     if not layouts:
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
-                f"SiLU, GELU, ReLU) computes what the experts call: {', '.join(called) or 'no activation function'}")
+                f"SiLU, GELU, ReLU, squared ReLU) computes what the experts call: "
+                f"{', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
         return "the expert weights and the tokens have different dtypes"

@@ -115,6 +115,24 @@ def test_deepseek_v4_clamped_swiglu_is_rewritten(impl):
         "activation swiglu_clamp(limit=0.05)"] * LAYERS
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_nemotron_h_squared_relu_is_rewritten(impl):
+    """Nemotron-H's experts are plain (up and down, no gate) with the squared ReLU: rewritten as relu2."""
+    if not hasattr(transformers, "NemotronHConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Nemotron-H")
+    cfg = transformers.NemotronHConfig(**COMMON | dict(num_hidden_layers=3),
+                                       layer_types=["full_attention", "moe", "moe"], head_dim=8,
+                                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                       moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
+                                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
+                                       chunk_size=8, use_mamba_kernels=False)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(cfg).float()
+    model.set_experts_implementation(impl)
+    assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": 2}
+    assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == ["activation relu2"] * 2
+
+
 def test_mixtral_through_inductor_recompute():
     model = build("mixtral", "grouped_mm", torch.float32)
     got = run_eager_and_compiled(model, (_tokens(),), options={"checkpoint": "recompute"})

@@ -42,6 +42,14 @@ class GptOssStyleMoE(nn.Module):
         return out
 
 
+PLAIN = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+         # Nemotron-H's squared ReLU (transformers' ReLUSquaredActivation), and two other spellings of it
+         "relu2": lambda v: torch.square(F.relu(v)), "relu_pow": lambda v: F.relu(v) ** 2,
+         "relu_times_relu": lambda v: F.relu(v) * F.relu(v),
+         # not a squared ReLU: left alone
+         "relu_cubed": lambda v: F.relu(v) ** 3}
+
+
 class Expert(nn.Module):
     def __init__(self, d, h, act, bias):
         super().__init__()
@@ -55,7 +63,7 @@ class Expert(nn.Module):
             return self.w2(F.gelu(self.w1(x)) * self.w3(x))
         if self.act == "swiglu":
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2({"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[self.act](self.w1(x)))
+        return self.w2(PLAIN[self.act](self.w1(x)))
 
 
 class ModuleListMoE(nn.Module):
@@ -87,12 +95,25 @@ def test_gpt_oss_style_is_rewritten_and_matches_eager():
 
 
 @pytest.mark.parametrize("act,bias", [("geglu", True), ("swiglu", True), ("silu", False), ("gelu", True),
-                                      ("relu", False)])
+                                      ("relu", False), ("relu2", True)])
 def test_modulelist_variants_are_rewritten_and_match_eager(act, bias):
     torch.manual_seed(0)
     counts = run_eager_and_compiled(ModuleListMoE(act=act, bias=bias), (_x(),))
     assert counts == {"rewritten": 1}
     assert moeblaze_fx.last_report()[0].layout.endswith(f"activation {act}")
+
+
+@pytest.mark.parametrize("act", ["relu_pow", "relu_times_relu"])
+def test_squared_relu_spellings_are_rewritten(act):
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(ModuleListMoE(act=act), (_x(),)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("activation relu2")
+
+
+def test_cubed_relu_is_left_alone():
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(ModuleListMoE(act="relu_cubed"), (_x(),)) == {"skipped": 1}
+    assert moeblaze_fx.last_report()[0].reason.startswith("the region's output differs from the MoE operator")
 
 
 @pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
@@ -156,7 +177,7 @@ def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
     assert run_eager_and_compiled(ShapedActivationMoE(act), (_x(),)) == {"skipped": 1}
     assert moeblaze_fx.last_report()[0].reason == (
         "no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, SiLU, GELU, "
-        f"ReLU) computes what the experts call: {called}")
+        f"ReLU, squared ReLU) computes what the experts call: {called}")
 
 
 @pytest.mark.parametrize("act,spec", [("clamped_swiglu", "swiglu_clamp(limit=10.0)"), ("infinite_clamps", "swiglu")])

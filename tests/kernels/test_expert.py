@@ -33,7 +33,7 @@ POLICIES = ("activations", "recompute")
 # limit 0.6: with unit-variance pre-activations both clamps of swiglu_oai and swiglu_clamp are active on many
 # elements
 ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai(alpha=1.702,limit=0.6)", "swiglu_clamp(limit=0.6)", "silu", "gelu",
-               "relu")
+               "relu", "relu2")
 
 # ---------------------------------------------------------------------------------------------
 # Weight layouts: how a model stores its experts, and the [E, r, c] views (or lists of E [r, c]
@@ -795,6 +795,7 @@ CUDA_CASES = [
     (700, 128, 192, 4, 2, "one_expert", "geglu", True, "transposed", "one expert holds every token"),
     (600, 192, 256, 8, 2, "random", "swiglu_oai(alpha=1.702,limit=7.0)", True, "hf_fused", "gpt-oss activation"),
     (600, 192, 256, 8, 2, "random", "relu", True, "list", "plain activation, ModuleList experts"),
+    (600, 192, 256, 8, 2, "random", "relu2", False, "dense", "Nemotron-H's squared ReLU"),
     (1, 64, 64, 3, 2, "random", "swiglu", False, "dense", "T = 1"),
     (900, 256, 512, 8, 1, "random", "swiglu", False, "hf_fused", "top-1 (K = 1) on the sm_90 paths"),
 ]
@@ -839,7 +840,8 @@ def test_clamped_swiglu_bf16_cuda(monkeypatch, act, policy):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("act", ["swiglu_oai(alpha=1.702,limit=7.0)", "swiglu_clamp(limit=10.0)", "relu", "swiglu"],
+@pytest.mark.parametrize("act", ["swiglu_oai(alpha=1.702,limit=7.0)", "swiglu_clamp(limit=10.0)", "relu", "relu2",
+                                 "swiglu"],
                          ids=lambda a: a.split("(")[0])
 def test_a_nan_token_stays_nan_cuda(act):
     """A NaN among the tokens makes that token's output NaN, as torch's clamp and relu keep it. The GPU's plain
