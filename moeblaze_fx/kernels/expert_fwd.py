@@ -7,8 +7,8 @@ A *pair* p = t*K + k is one entry of ``ids``; a *slot* is its row in the expert-
 Expert weights are read only through per-expert pointer tables (:class:`~moeblaze_fx.kernels.tables.WeightTable`):
 each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
 ``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
-read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai, swiglu_clamp) have a gate
-and an up projection, plain ones (silu, gelu, relu, relu2) only the gate projection.
+read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai, swiglu_clamp) have
+a gate and an up projection, plain ones (silu, gelu, relu, relu2) only the gate projection.
 
 Data flow (three launches)::
 

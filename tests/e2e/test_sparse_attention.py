@@ -1,4 +1,4 @@
-"""A sparse-attention indexer's top-k (DeepSeek-V3.2, GLM-5, HY-V4): it picks the keys each query attends to and
+"""A sparse-attention indexer's top-k (DeepSeek-V3.2, GLM-5 under SDPA): it picks the keys each query attends to and
 scatters them into the attention mask. Its region calls attention and selects no experts: no MoE, not reported.
 It was reported as a skipped MoE, with whatever its region first failed on (an in-place update of the KV cache in
 those models), while the MoE block after it is rewritten as before."""

@@ -156,6 +156,29 @@ def test_bad_layout_is_a_clear_error(layout, activation, message):
         torch.ops.moeblaze.moe_ffn(x.detach(), ids, w.detach(), params, layout, activation, "activations", 0)
 
 
+@pytest.mark.parametrize("spec,want", [
+    ("swiglu_clamp(limit=10.0)", ("swiglu_clamp", 1.0, 10.0)),
+    ("swiglu_oai(alpha=1.702,limit=7.0)", ("swiglu_oai", 1.702, 7.0)),
+    ("relu2", ("relu2", 1.0, 0.0)),
+])
+def test_activation_specs_round_trip(spec, want):
+    act = parse_activation(spec)
+    assert tuple(act) == want and act.spec == spec and parse_activation(act.spec) == act
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("swiglu_clamp", "unknown activation"),  # the limit is part of the function
+    ("swiglu_clamp(alpha=1.0,limit=2.0)", "unknown activation"),  # no alpha
+    ("relu2(limit=1.0)", "unknown activation"),
+    ("swiglu_clamp(limit=0)", "swiglu_clamp needs a finite alpha and a finite limit > 0"),
+    ("swiglu_clamp(limit=inf)", "finite limit"),
+    ("swiglu_clamp(limit=ten)", "finite limit"),
+])
+def test_bad_activation_specs(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_activation(spec)
+
+
 def test_per_expert_parameters_must_be_alike():
     g = torch.Generator().manual_seed(4)
     x, ids, w = _inputs(g)
