@@ -290,18 +290,19 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         itemsize = torch.empty((), dtype=ext.dtype).element_size()
         t_hint = size_hint(ext.T)
         # traced with no gradient to compute: nothing is saved for a backward, so the forward need not write A|B
-        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if traced_with_gradients(cand) else "recompute"
+        with_grad = traced_with_gradients(cand)
+        policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if with_grad else "recompute"
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
         rewrite(work, cand, ext, layout, act.spec, policy, chunk)
         record.status, record.policy = "rewritten", policy
         x_val = example_value(ext.x)
-        record.saved_bytes_after = saved_bytes_after(
-            t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
-            example_value(ext.weights).element_size(), policy, act.gated, ext.E,
-            plan_block_m(x_val.device) if use_triton(x_val) else None,
-        )
-        if not traced_with_gradients(cand):
-            # traced without gradients: neither graph saves anything (the proof's meter ran with gradients on)
+        if with_grad:
+            record.saved_bytes_after = saved_bytes_after(
+                t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
+                example_value(ext.weights).element_size(), policy, act.gated, ext.E,
+                plan_block_m(x_val.device) if use_triton(x_val) else None,
+            )
+        else:  # neither graph saves anything (the proof's meter ran with gradients on)
             record.saved_bytes_before = record.saved_bytes_after = 0
         rewritten += 1
     if rewritten:

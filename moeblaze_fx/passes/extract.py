@@ -270,7 +270,8 @@ def _constants(node: fx.Node) -> list[float]:
 # Elementwise functions that give an expert activation its shape. A region may call only those its activation
 # accounts for: one that calls another (a clamp beside silu, a tanh soft-cap, the tanh-approximated GELU) computes
 # another function, which a numerical check at small pre-activations can miss (a clamp at 10 is never reached there).
-_CLAMPS = {"clamp", "clamp_min", "clamp_max", "clip", "minimum", "maximum", "hardtanh"}
+_CLAMP_CALLS = {"clamp", "clamp_min", "clamp_max", "clip"}  # those whose bounds are constants
+_CLAMPS = _CLAMP_CALLS | {"minimum", "maximum", "hardtanh"}
 _SHAPING = _CLAMPS | {
     "silu", "sigmoid", "gelu", "gelu(approximate='tanh')", "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
     "mish", "hardswish", "hardsigmoid", "softplus", "softsign", "logsigmoid", "tanh", "tanhshrink", "erf", "erfc",
@@ -288,7 +289,7 @@ def _bounds(node: fx.Node) -> list[float]:
 
 def _no_op_clamp(node: fx.Node) -> bool:
     """A clamp whose every bound is a constant infinity (or None): the identity."""
-    return (canonical_name(node) in ("clamp", "clamp_min", "clamp_max", "clip") and not _bounds(node)
+    return (canonical_name(node) in _CLAMP_CALLS and not _bounds(node)
             and not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())))
 
 
@@ -321,7 +322,7 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     function the region calls."""
     nodes = {canonical_name(n): n for n in cand.nodes}
     found: list[Activation] = []
-    clamps = [c for n in cand.nodes if canonical_name(n) in ("clamp", "clamp_max", "clamp_min", "clip")
+    clamps = [c for n in cand.nodes if canonical_name(n) in _CLAMP_CALLS
               and _on_floats(n) for c in _bounds(n)]
     if gated and "sigmoid" in nodes and clamps:
         sig_in = nodes["sigmoid"].args[0]
