@@ -5,7 +5,7 @@ the same activation, each checked against the float32 reference of its own activ
     python3 benchmarks/act_device.py OUT [--configs C,D,B] [--acts swiglu,swiglu_clamp(limit=10.0)]
 
 Writes OUT/act.json and prints one line a row. The Gluon launch counts tell which up-projection and dh kernels ran
-(the Gluon up kernel and fused dh take SwiGLU only; other activations run the Triton kernels).
+(the Gluon up kernel and fused dh take the SwiGLUs, plain and clamped; other activations run the Triton kernels).
 """
 import argparse
 import json

@@ -750,7 +750,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     if gather_sm90.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
                         # both phases in one launch: the same dA|dB and w*H, bitwise
                         gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, pre, dpre,
-                                                part[bias_rows:], weights)
+                                                part[bias_rows:], weights, act)
                         break
                     gather_sm90.dh_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw)  # the same dH', bitwise
                     continue

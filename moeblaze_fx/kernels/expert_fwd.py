@@ -896,7 +896,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
             pre = preact[win.slot0:] if save_preact else hid  # placeholder pointer when not saving, never written
             if up_sm90 is not None and gather_sm90.up_usable(x, hid, pre if save_preact else None, act.name, biased,
                                                              plan_block_m()):
-                gather_sm90.up_sm90(x, up_sm90, plan, K, d, h, win, hid, pre if save_preact else None)
+                gather_sm90.up_sm90(x, up_sm90, plan, K, d, h, win, hid, pre if save_preact else None, act)
             else:
                 _up_triton(x, w, up, gate_bias, up_bias, hid, pre, plan, win, d, h, K, act, save_preact, align, w_tma)
             del pre  # may alias hid: it must not outlive the window

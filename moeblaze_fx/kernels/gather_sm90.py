@@ -4,18 +4,18 @@ warp-specialized, the structure of :mod:`.down_sm90` with a producer that gather
 Both multiply rows gathered through the token index by one expert's weights, tile by tile over a slot window's row
 tiles (the plan's 128-slot tiles):
 
-* the forward up projection (``expert_fwd._expert_up_kernel``, SwiGLU, no biases): ``A|B = x[tok(s)] @
-  W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores A|B (when the policy keeps them) and ``H = silu(A) * B``
-  computed from the rounded values;
+* the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU
+  and its clamped forms, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores
+  A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed from the rounded values;
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
-* the same GEMM with the SwiGLU backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``, where A|B
-  are kept and h % 16 == 0): the rounded dH' stays in shared memory, and the next tile's K loop computes dA|dB, w*H
-  and the routing-weight partials from it block by block (32 rows x 64 columns, one block per n_k / 16 steps) after
-  each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop. Each block's
-  A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage less for it).
-  dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91 / 1.09, D 1.15
-  / 1.42, A 9.3 / 11.1.
+* the same GEMM with the activation's backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``,
+  where A|B are kept and h % 16 == 0): the rounded dH' stays in shared memory, and the next tile's K loop computes
+  dA|dB, w*H and the routing-weight partials from it block by block (32 rows x 64 columns, one block per n_k / 16
+  steps) after each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop.
+  Each block's A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage
+  less for it). dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91
+  / 1.09, D 1.15 / 1.42, A 9.3 / 11.1.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
 contraction steps, the same activation arithmetic), so the results are bitwise equal; the cuda tests compare them.
@@ -56,6 +56,7 @@ from .launch import launch
 from .down_sm90 import _GLUON
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
+    import triton.language as tl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from .down_sm90 import (
@@ -86,11 +87,17 @@ GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
+# The activations the up kernel's and the fused dh's epilogues implement, and their ACT constexpr: the gated ones
+# whose arithmetic is a few elementwise operations (GEGLU's erf and the plain activations take the Triton kernels).
+ACTIVATIONS = {"swiglu": 0, "swiglu_clamp": 1, "swiglu_oai": 2}
 
 
 if _GLUON:
     BM: gl.constexpr = gl.constexpr(BLOCK_M)
     BK: gl.constexpr = gl.constexpr(BLOCK_K)
+    _SWIGLU: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu"])
+    _SWIGLU_CLAMP: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_clamp"])
+    _SWIGLU_OAI: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_oai"])
 
     @gluon.jit
     def _load_b(desc, e_rows, e, n0, k, bar, buf, B_KMAJOR: gl.constexpr):
@@ -174,11 +181,64 @@ if _GLUON:
         return rows, cols
 
     @gluon.jit
-    def _swiglu(a, b):
-        """H = silu(a) * b in fp32 from the rounded A and B, as the Triton kernel: a * sigmoid(a) * b, sigmoid =
-        1 / (1 + exp(-a))."""
+    def _sigmoid(v):
+        """``tl.sigmoid``'s arithmetic: 1 / (1 + exp(-v))."""
+        return 1 / (1 + gl.exp(-v))
+
+    @gluon.jit
+    def _clamp_max(v, limit):
+        """``torch.clamp(v, max=limit)`` keeping NaN, as ``expert_fwd._clamp_max``."""
+        return gl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _clamp(v, limit):
+        """``torch.clamp(v, -limit, limit)`` keeping NaN, as ``expert_fwd._clamp``."""
+        return _clamp_max(gl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit)
+
+    @gluon.jit
+    def _act_forward(a, b, alpha, limit, ACT: gl.constexpr):
+        """H in fp32 from the rounded A and B, with the arithmetic of ``expert_fwd._act_forward`` (so bitwise its
+        result); ``ACT``: a value of :data:`ACTIVATIONS`."""
         a = a.to(gl.float32)
-        return a * (1 / (1 + gl.exp(-a))) * b.to(gl.float32)
+        b = b.to(gl.float32)
+        if ACT == _SWIGLU:
+            hid = a * _sigmoid(a) * b
+        elif ACT == _SWIGLU_CLAMP:
+            g = _clamp_max(a, limit)
+            hid = g * _sigmoid(g) * _clamp(b, limit)
+        else:
+            gl.static_assert(ACT == _SWIGLU_OAI)
+            g = _clamp_max(a, limit)
+            hid = (_clamp(b, limit) + 1.0) * (g * _sigmoid(alpha * g))
+        return hid
+
+    @gluon.jit
+    def _act_backward(a, b, d_hid, alpha, limit, ACT: gl.constexpr):
+        """(H, dL/dA, dL/dB) in fp32 from A, B and dL/dH, with the arithmetic of ``expert_fwd._act_backward``."""
+        if ACT == _SWIGLU:
+            sig = _sigmoid(a)
+            silu = a * sig
+            hid = silu * b
+            d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
+            d_b = d_hid * silu
+        elif ACT == _SWIGLU_CLAMP:
+            g = _clamp_max(a, limit)
+            sig = _sigmoid(g)
+            silu = g * sig
+            u = _clamp(b, limit)
+            hid = silu * u
+            d_a = gl.where(a <= limit, d_hid, 0.0) * u * (sig * (1.0 + g * (1.0 - sig)))
+            d_b = gl.where(gl.abs(b) <= limit, d_hid, 0.0) * silu
+        else:
+            gl.static_assert(ACT == _SWIGLU_OAI)
+            g = _clamp_max(a, limit)
+            sig = _sigmoid(alpha * g)
+            glu = g * sig
+            u1 = _clamp(b, limit) + 1.0
+            hid = u1 * glu
+            d_a = gl.where(a <= limit, d_hid, 0.0) * u1 * (sig + alpha * glu * (1.0 - sig))
+            d_b = gl.where(gl.abs(b) <= limit, d_hid, 0.0) * glu
+        return hid, d_a, d_b
 
     @gluon.jit
     def _dh_act_weights(epi, start, r0, first, end, K: gl.constexpr, RB: gl.constexpr, wl: gl.constexpr):
@@ -205,8 +265,8 @@ if _GLUON:
 
     @gluon.jit
     def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, ab_smem, p,
-                      NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
-        """SwiGLU's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
+                      NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
+        """The activation's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
         ``expert_bwd._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
         below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``ab_smem``
         buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (zeros past ``n_dim``, whose columns
@@ -222,11 +282,7 @@ if _GLUON:
         a = ab_smem.index(2 * p).load(st).to(gl.float32)
         b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
         d_hid = dh * wt[:, None]
-        sig = 1 / (1 + gl.exp(-a))
-        silu = a * sig
-        hid = silu * b
-        d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
-        d_b = d_hid * silu
+        hid, d_a, d_b = _act_backward(a, b, d_hid, epi[10], epi[11], ACT)
         part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
         mask = row_ok[:, None] & col_ok[None, :]
         local = (rows - slot0).to(gl.int64)[:, None]
@@ -239,7 +295,7 @@ if _GLUON:
 
     @gluon.jit
     def _dh_act_run(blocks, w_smem, ab_smem, epi, hw_ptr, stride_hw, done, target, start, first, end, n0, slot0,
-                    n_dim, NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr):
+                    n_dim, NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
         """Runs the pending tile's epilogue blocks from ``done`` up to ``target`` (:func:`_dh_act_block`), each once
         its A|B copy has landed, staging the next block's (none past the last: that copy would land on the buffer
         the next tile's first block uses); returns the blocks done."""
@@ -247,23 +303,25 @@ if _GLUON:
         while done < target:
             cp.wait_group(0)  # this block's A|B, copied a block ago
             _dh_act_block(blocks, w_smem, epi, hw_ptr, stride_hw, done, start, first, end, n0, slot0, n_dim, ab_smem,
-                          done % 2, NR, RB, st)
+                          done % 2, NR, RB, st, ACT)
             if done + 1 < NB:
                 _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, start, first, end, n0, slot0, n_dim, NR, RB, st)
             done += 1
         return done
 
     @gluon.jit
-    def _up_h_run(blocks, c0_ptr, stride_c0, done, target, start, first, end, n0, slot0, n_dim, NR: gl.constexpr,
-                  RB: gl.constexpr, st: gl.constexpr):
-        """H = silu(A) * B of the pending tile's blocks from ``done`` up to ``target``, each RB rows x 64 columns of
-        H: A and B read back rounded from the tile in shared memory (``blocks``: A's column blocks, then B's), H
-        stored through pointers (rows in [first, end), columns below ``n_dim``); returns the blocks done."""
+    def _up_h_run(blocks, c0_ptr, stride_c0, done, target, start, first, end, n0, slot0, n_dim, alpha, limit,
+                  NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
+        """H (:func:`_act_forward`, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
+        RB rows x 64 columns of H: A and B read back rounded from the tile in shared memory (``blocks``: A's column
+        blocks, then B's), H stored through pointers (rows in [first, end), columns below ``n_dim``); returns the
+        blocks done."""
         NH: gl.constexpr = blocks.shape[0] // 2  # H's blocks: A's half of the tile
         dtype: gl.constexpr = blocks.dtype
         while done < target:
             rows, cols = _block_at(done, start, n0, NR, RB, st)
-            hid = _swiglu(blocks.index(done).load(st), blocks.index(done + NH).load(st)).to(dtype)
+            hid = _act_forward(blocks.index(done).load(st), blocks.index(done + NH).load(st), alpha, limit,
+                               ACT).to(dtype)
             mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
             gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)
             done += 1
@@ -274,15 +332,16 @@ if _GLUON:
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                   k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr):
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr,
+                  ACT: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
-        ACT_EPI (dh) SwiGLU's backward on it.
+        ACT_EPI (dh) the activation's backward on it.
 
         ACT_EPI: a tile's rounded dH' stays in ``c_smem`` and its routing weights in ``w_smem`` while the next tile's
         K loop runs. That loop computes the epilogue block by block (:func:`_dh_act_block`: dA|dB and w*H into c0's
-        buffers, the partials; ``epi`` holds their pointers and strides), each after a step's wait for the previous
-        step's MMA, while that step's own MMA runs. Each block's A|B is copied into ``ab_smem`` a block ahead
-        (cp.async). The last tile's blocks run after the loop.
+        buffers, the partials; ``epi`` holds their pointers and strides, then the activation's alpha and limit), each
+        after a step's wait for the previous step's MMA, while that step's own MMA runs. Each block's A|B is copied into
+        ``ab_smem`` a block ahead (cp.async). The last tile's blocks run after the loop.
 
         UP_NEXT (SWIGLU): H the same way. A tile's rounded A|B stays in ``c_smem`` (A|B's TMA stores read it
         meanwhile), and the next tile's K loop computes H from it in blocks of 32 x 64 (:func:`_up_h_run`), stored
@@ -342,10 +401,10 @@ if _GLUON:
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
-                                           p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep)
+                                           p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep, ACT)
                     if UP_NEXT:  # the pending tile's H blocks up to this step's share
                         done = _up_h_run(blocks, c0_ptr, stride_c0, done, ((k + 1) * NP) // n_k, p_start, p_first,
-                                         p_end, p_n0, slot0, n_dim, NR, RB, ep)
+                                         p_end, p_n0, slot0, n_dim, epi[10], epi[11], NR, RB, ep, ACT)
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
@@ -376,7 +435,7 @@ if _GLUON:
                     done = gl.to_tensor(0)
                 elif SWIGLU:
                     st: gl.constexpr = _st_layout(BNH)
-                    hid = _swiglu(a_smem.load(st), b_smem.load(st)).to(dtype)
+                    hid = _act_forward(a_smem.load(st), b_smem.load(st), epi[10], epi[11], ACT).to(dtype)
                     tma.store_wait(0)  # A|B's stores have read a_smem
                     a_smem.store(hid)
                     fence_async_shared()
@@ -385,11 +444,11 @@ if _GLUON:
                     _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
         if ACT_EPI:  # the last tile's epilogue
             done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, NB, p_start, p_first, p_end,
-                               p_n0, slot0, n_dim, NR, RB, ep)
+                               p_n0, slot0, n_dim, NR, RB, ep, ACT)
             cp.wait_group(0)
         if UP_NEXT:  # the last tile's H
-            done = _up_h_run(blocks, c0_ptr, stride_c0, done, NP, p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB,
-                             ep)
+            done = _up_h_run(blocks, c0_ptr, stride_c0, done, NP, p_start, p_first, p_end, p_n0, slot0, n_dim,
+                             epi[10], epi[11], NR, RB, ep, ACT)
         tma.store_wait(0)
 
     @gluon.jit
@@ -404,9 +463,11 @@ if _GLUON:
         stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
         pre_ptr, dpre_ptr, part_ptr, weights_ptr,  # ACT_EPI: A|B, dA|dB [.., 2n], partials, routing weights
         stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k,
+        alpha, limit,  # fp32: the activation's parameters (swiglu_oai, swiglu_clamp; else unused)
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
         UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop
+        ACT: gl.constexpr,  # SWIGLU or ACT_EPI: the activation, a value of ACTIVATIONS
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -441,12 +502,12 @@ if _GLUON:
                                             gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
         epi = (pre_ptr, dpre_ptr, part_ptr, weights_ptr, token_index_ptr, gl.to_tensor(stride_pre),
                gl.to_tensor(stride_dpre), gl.to_tensor(stride_part), gl.to_tensor(stride_wt_t),
-               gl.to_tensor(stride_wt_k))
+               gl.to_tensor(stride_wt_k), gl.to_tensor(alpha), gl.to_tensor(limit))
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT, ACT)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
@@ -459,41 +520,42 @@ if _GLUON:
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
-                        stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        UP_NEXT: gl.constexpr):
+                        stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
+                        GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, UP_NEXT: gl.constexpr, ACT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
-                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, True, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT)
+                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
+                     True, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT, ACT)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
-                        stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                        A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
+                        GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
-                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, False)
+                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
+                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, False, ACT)
 
     @gluon.jit
     def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                             tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                             k_dim, n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
                             pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part,
-                            stride_wt_t, stride_wt_k, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
-                            GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr):
+                            stride_wt_t, stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr,
+                            B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, A_STAGES: gl.constexpr,
+                            B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
-                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, False, SAVE_AB,
-                     B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, False)
+                     weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
+                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, False, ACT)
 
 
 def enabled() -> bool:
@@ -556,10 +618,11 @@ def _gather_ok(a: torch.Tensor, outs: list[torch.Tensor], block_m: int) -> bool:
 
 def up_usable(x: torch.Tensor, hid: torch.Tensor, pre: torch.Tensor | None, act_name: str, biased: bool,
               block_m: int) -> bool:
-    """Whether the up kernel may take a window: SwiGLU without biases, plan row tiles of ``BLOCK_M``, and x, H and
-    A|B (``pre``, None when not kept) of one 16-bit dtype with unit column strides and 16-byte aligned bases and
-    rows."""
-    return act_name == "swiglu" and not biased and _gather_ok(x, [hid] if pre is None else [hid, pre], block_m)
+    """Whether the up kernel may take a window: an activation of :data:`ACTIVATIONS` without biases, plan row
+    tiles of ``BLOCK_M``, and x, H and A|B (``pre``, None when not kept) of one 16-bit dtype with unit column strides
+    and 16-byte aligned bases and rows."""
+    return (act_name in ACTIVATIONS and not biased
+            and _gather_ok(x, [hid] if pre is None else [hid, pre], block_m))
 
 
 def dh_usable(dy: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
@@ -568,8 +631,9 @@ def dh_usable(dy: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
 
 
 def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: torch.Tensor | None, plan, K: int,
-            k_dim: int, n_dim: int, window, block_n: int, epi: tuple | None = None, **constexprs) -> None:
+            k_dim: int, n_dim: int, window, block_n: int, act=None, epi: tuple | None = None, **constexprs) -> None:
     """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None;
+    ``act``: the activation (an ``Activation`` named in :data:`ACTIVATIONS`) of the up kernel and the fused dh;
     ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own
     (the up kernel's UP_NEXT)."""
     block = [BLOCK_M, block_n]
@@ -589,7 +653,8 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
-        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
+        float(act.alpha) if act is not None else 1.0, float(act.limit) if act is not None else 0.0,
+        ACT=ACTIVATIONS[act.name] if act is not None else 0, SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
         A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
         B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, **constexprs,
         num_warps=8,
@@ -600,11 +665,11 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
 
 
 def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hid: torch.Tensor,
-            pre: torch.Tensor | None) -> None:
+            pre: torch.Tensor | None, act) -> None:
     """The forward up projection of one window through this kernel (:func:`up_usable` true): H into ``hid``
     ``[slot1 - slot0, h]``, A|B into ``pre`` ``[slot1 - slot0, 2h]`` when not None."""
     _launch(_up_sm90_kernel, x, w, hid, pre[:, :2 * h] if pre is not None else None, plan, K, d, h, window,
-            UP_BLOCK_N, UP_NEXT=up_next_enabled())
+            UP_BLOCK_N, act, UP_NEXT=up_next_enabled())
 
 
 def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, out: torch.Tensor) -> None:
@@ -629,18 +694,18 @@ def act_launches() -> int:
 
 def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, weights: torch.Tensor,
                   act_name: str, chunk: int, block_m: int) -> bool:
-    """Whether the fused dh may take a window: :func:`dh_usable`, SwiGLU, the partials in chunks of 64 columns,
-    h % 16 == 0 (B's half of the saved A|B then starts 16-byte aligned, which its 16-byte cp.async copies need the
-    compiler to know), and the saved A|B and dA|dB of dy's dtype with unit column strides and 16-byte aligned
-    rows."""
-    return (act_enabled() and act_name == "swiglu" and chunk == 64 and weights.is_floating_point()
+    """Whether the fused dh may take a window: :func:`dh_usable`, an activation of :data:`ACTIVATIONS`, the partials
+    in chunks of 64 columns, h % 16 == 0 (B's half of the saved A|B then starts 16-byte aligned, which its 16-byte
+    cp.async copies need the compiler to know), and the saved A|B and dA|dB of dy's dtype with unit column strides and
+    16-byte aligned rows."""
+    return (act_enabled() and act_name in ACTIVATIONS and chunk == 64 and weights.is_floating_point()
             and hw.shape[1] % 16 == 0 and _gather_ok(dy, [hw, pre, dpre], block_m))
 
 
 def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hw: torch.Tensor,
-                pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor) -> None:
-    """dh's GEMM and its SwiGLU epilogue in one launch (:func:`dh_act_usable` true), the results of the split's two
-    launches (``expert_bwd._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
+                pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor, act) -> None:
+    """dh's GEMM and its activation's epilogue in one launch (:func:`dh_act_usable` true), the results of the split's
+    two launches (``expert_bwd._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
     ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N + 1]``, by
     slot); ``pre`` is the saved A|B from the window's first slot."""
-    _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, (pre, dpre, part, weights))
+    _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, act, (pre, dpre, part, weights))

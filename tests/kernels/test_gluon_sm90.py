@@ -128,13 +128,16 @@ def test_gather_never_taken_on_the_cpu():
     assert gather_sm90.dh_weights(w, False, 256) is None
 
 
-def test_gather_usable_needs_swiglu_unbiased_and_aligned_rows():
+def test_gather_usable_needs_a_swiglu_unbiased_and_aligned_rows():
     x = torch.empty(300, 256, dtype=torch.bfloat16)
     hid = torch.empty(400, 192, dtype=torch.bfloat16)
     pre = torch.empty(400, 384, dtype=torch.bfloat16)
     assert gather_sm90.up_usable(x, hid, pre, "swiglu", False, 128)
     assert gather_sm90.up_usable(x, hid, None, "swiglu", False, 128)  # "recompute": A|B not kept
-    assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # only SwiGLU's epilogue
+    assert gather_sm90.up_usable(x, hid, pre, "swiglu_clamp", False, 128)  # SwiGLU's clamped forms
+    assert gather_sm90.up_usable(x, hid, pre, "swiglu_oai", False, 128)
+    assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # only the SwiGLUs' epilogues
+    assert not gather_sm90.up_usable(x, hid, pre, "relu2", False, 128)
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", False, 64)  # plan tiles of another height
     assert not gather_sm90.up_usable(x[:, 1:], hid, pre, "swiglu", False, 128)  # misaligned x rows
@@ -145,7 +148,7 @@ def test_gather_usable_needs_swiglu_unbiased_and_aligned_rows():
     assert not gather_sm90.dh_usable(x, hid.t(), 128)  # no unit column stride
 
 
-def test_fused_dh_usable_needs_swiglu_chunks_of_64_and_aligned_rows(monkeypatch):
+def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows(monkeypatch):
     dy = torch.empty(300, 256, dtype=torch.bfloat16)
     hw = torch.empty(400, 192, dtype=torch.bfloat16)
     pre = torch.empty(400, 384, dtype=torch.bfloat16)
@@ -154,7 +157,10 @@ def test_fused_dh_usable_needs_swiglu_chunks_of_64_and_aligned_rows(monkeypatch)
     usable = gather_sm90.dh_act_usable
     assert usable(dy, hw, pre, dpre, wts, "swiglu", 64, 128)
     assert usable(dy, hw, pre, dpre, wts.bfloat16(), "swiglu", 64, 128)  # routing weights of any float dtype
-    assert not usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)  # only SwiGLU's backward
+    assert usable(dy, hw, pre, dpre, wts, "swiglu_clamp", 64, 128)
+    assert usable(dy, hw, pre, dpre, wts, "swiglu_oai", 64, 128)
+    assert not usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)  # only the SwiGLUs' backward
+    assert not usable(dy, hw, pre, dpre, wts, "silu", 64, 128)
     assert not usable(dy, hw, pre, dpre, wts, "swiglu", 32, 128)  # partials in other chunks
     assert not usable(dy, hw, pre, dpre, wts, "swiglu", 64, 64)  # plan tiles of another height
     assert not usable(dy, hw, pre[1:, 1:], dpre, wts, "swiglu", 64, 128)  # misaligned A|B
@@ -286,6 +292,36 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
     # the fused dh sums <dH', H> over 64 columns in its own order, which the Triton epilogue lays out otherwise where
     # h % 64 != 0: a last-bit difference in a few routing-weight gradients
     _assert_same_results((y1, o1), (y2, o2), "the Triton kernels'", weights_close=fused and h % 64 != 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ("activations", "recompute"))
+@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)"],
+                         ids=lambda a: a.split("(")[0])
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,window_slots", [
+    (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, 500),  # windows
+    (700, 512, 192, 4, 2, "one_expert", "dense", torch.float16, 0),  # columns past h, h % 64 != 0
+], ids=["windows", "h192"])
+def test_gluon_clamped_swiglus_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
+                                                         window_slots, act, policy):
+    # The up kernel and the fused dh with the clamped SwiGLUs (DeepSeek-V4's, gpt-oss's), limit 0.6: both clamps
+    # act on many of the unit-variance pre-activations. The Triton kernels give the same results bitwise.
+    _need_sm90()
+    case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
+                     seed=T + 17)
+    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    _switch(monkeypatch, True)
+    _poison()
+    launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
+    first = run_kernels(case, policy, window_slots=window_slots)
+    fused = policy == "activations"
+    assert gather_sm90.launches() - launches == (2 if fused else 1) * windows  # up, and dh where A|B are kept
+    assert gather_sm90.act_launches() - acts == (windows if fused else 0)
+    _switch(monkeypatch, False)
+    launches = gather_sm90.launches()
+    second = run_kernels(case, policy, window_slots=window_slots)
+    assert gather_sm90.launches() == launches
+    _assert_same_results(first, second, "the Triton kernels'", weights_close=fused and h % 64 != 0)
 
 
 @pytest.mark.cuda
