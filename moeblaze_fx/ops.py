@@ -637,10 +637,11 @@ def moe_ffn(
         experts: an :class:`~moeblaze_fx.kernels.reference.ExpertParams` of ``[E, ...]`` tensors or
             views of parameters (transposed, sliced, interleaved: gradients reach the parameter
             without copies), or Hugging Face's ``(w_gate_up [E, 2h, d], w_down [E, d, h])``.
-        activation: one of ``"swiglu"``, ``"geglu"``, ``"swiglu_oai(alpha=A,limit=L)"`` (gpt-oss),
-            ``"swiglu_clamp(limit=L)"`` (DeepSeek-V4: ``silu(gate.clamp(max=L)) * up.clamp(-L, L)``) (gated:
-            gate and up), ``"silu"``, ``"gelu"``, ``"relu"``, ``"relu2"`` (Nemotron-H: ``relu(gate) ** 2``) (plain:
-            ``experts.up`` is None).
+        activation: one of ``"swiglu"``, ``"geglu"``, ``"geglu_tanh"`` (Gemma 4: the GELU approximated with
+            tanh), ``"swiglu_oai(alpha=A,limit=L)"`` (gpt-oss), ``"swiglu_clamp(limit=L)"`` (DeepSeek-V4:
+            ``silu(gate.clamp(max=L)) * up.clamp(-L, L)``) (gated: gate and up), ``"silu"``, ``"gelu"``,
+            ``"gelu_tanh"``, ``"relu"``, ``"relu2"`` (Nemotron-H: ``relu(gate) ** 2``) (plain: ``experts.up`` is
+            None).
         checkpoint: ``"activations"`` (save the pre-activations) or ``"recompute"`` (save only x,
             ids and weights; recompute the up projection in backward).
         chunk_tokens: bounds the transient buffers to those of this many tokens (slot windows of

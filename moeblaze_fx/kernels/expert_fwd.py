@@ -7,8 +7,9 @@ A *pair* p = t*K + k is one entry of ``ids``; a *slot* is its row in the expert-
 Expert weights are read only through per-expert pointer tables (:class:`~moeblaze_fx.kernels.tables.WeightTable`):
 each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
 ``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
-read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, swiglu_oai, swiglu_clamp) have
-a gate and an up projection, plain ones (silu, gelu, relu, relu2) only the gate projection.
+read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, geglu_tanh, swiglu_oai,
+swiglu_clamp) have a gate and an up projection, plain ones (silu, gelu, gelu_tanh, relu, relu2) only the gate
+projection.
 
 Data flow (three launches)::
 
@@ -85,7 +86,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # The ACT constexpr of the kernels (the GATED constexpr says whether there is an up projection).
 ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6,
-             "relu2": 7}
+             "relu2": 7, "geglu_tanh": 8, "gelu_tanh": 9}
 _SWIGLU = tl.constexpr(0)
 _GEGLU = tl.constexpr(1)
 _SWIGLU_OAI = tl.constexpr(2)
@@ -94,6 +95,8 @@ _GELU = tl.constexpr(4)
 _RELU = tl.constexpr(5)
 _SWIGLU_CLAMP = tl.constexpr(6)
 _RELU2 = tl.constexpr(7)
+_GEGLU_TANH = tl.constexpr(8)
+_GELU_TANH = tl.constexpr(9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +188,20 @@ def _gelu_grad(v):
 
 
 @triton.jit
+def _gelu_tanh(v):
+    """tanh-approximated GELU (``F.gelu(v, approximate="tanh")``), fp32, written as 0.5 v (1 + tanh(u)) = v *
+    sigmoid(2u), u = sqrt(2/pi) (v + 0.044715 v^3): no cancellation in 1 + tanh(u) for negative v."""
+    return v * tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+
+
+@triton.jit
+def _gelu_tanh_grad(v):
+    """d/dv of :func:`_gelu_tanh`: s + 2 v s (1 - s) u', s = sigmoid(2u), u' = sqrt(2/pi) (1 + 3 * 0.044715 v^2)."""
+    s = tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+    return s + v * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 0.134145 * v * v))
+
+
+@triton.jit
 def _clamp_max(v, limit):
     """``torch.clamp(v, max=limit)``: a NaN stays NaN (the GPU's plain minimum would return the limit, and hide it)."""
     return tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
@@ -203,6 +220,8 @@ def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
         hid = a * tl.sigmoid(a) * b
     elif ACT == _GEGLU:
         hid = _gelu(a) * b
+    elif ACT == _GEGLU_TANH:
+        hid = _gelu_tanh(a) * b
     elif ACT == _SWIGLU_OAI:
         g = _clamp_max(a, limit)
         u = _clamp(b, limit)
@@ -214,6 +233,8 @@ def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
         hid = a * tl.sigmoid(a)
     elif ACT == _GELU:
         hid = _gelu(a)
+    elif ACT == _GELU_TANH:
+        hid = _gelu_tanh(a)
     elif ACT == _RELU2:
         r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
         hid = r * r
@@ -239,6 +260,11 @@ def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
         hid = gelu * b
         d_a = d_hid * b * _gelu_grad(a)
         d_b = d_hid * gelu
+    elif ACT == _GEGLU_TANH:
+        gelu = _gelu_tanh(a)
+        hid = gelu * b
+        d_a = d_hid * b * _gelu_tanh_grad(a)
+        d_b = d_hid * gelu
     elif ACT == _SWIGLU_OAI:
         g = _clamp_max(a, limit)
         sig = tl.sigmoid(alpha * g)
@@ -263,6 +289,10 @@ def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
     elif ACT == _GELU:
         hid = _gelu(a)
         d_a = d_hid * _gelu_grad(a)
+        d_b = d_a
+    elif ACT == _GELU_TANH:
+        hid = _gelu_tanh(a)
+        d_a = d_hid * _gelu_tanh_grad(a)
         d_b = d_a
     elif ACT == _RELU2:
         r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)

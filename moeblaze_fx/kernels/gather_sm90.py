@@ -4,8 +4,8 @@ warp-specialized, the structure of :mod:`.down_sm90` with a producer that gather
 Both multiply rows gathered through the token index by one expert's weights, tile by tile over a slot window's row
 tiles (the plan's 128-slot tiles):
 
-* the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU
-  and its clamped forms, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores
+* the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
+  its clamped forms and the tanh GeGLU, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores
   A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed from the rounded values;
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
@@ -89,7 +89,7 @@ _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
 # The activations the up kernel's and the fused dh's epilogues implement, and their ACT constexpr: the gated ones
 # whose arithmetic is a few elementwise operations (GEGLU's erf and the plain activations take the Triton kernels).
-ACTIVATIONS = {"swiglu": 0, "swiglu_clamp": 1, "swiglu_oai": 2}
+ACTIVATIONS = {"swiglu": 0, "swiglu_clamp": 1, "swiglu_oai": 2, "geglu_tanh": 3}
 
 
 if _GLUON:
@@ -98,6 +98,7 @@ if _GLUON:
     _SWIGLU: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu"])
     _SWIGLU_CLAMP: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_clamp"])
     _SWIGLU_OAI: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_oai"])
+    _GEGLU_TANH: gl.constexpr = gl.constexpr(ACTIVATIONS["geglu_tanh"])
 
     @gluon.jit
     def _load_b(desc, e_rows, e, n0, k, bar, buf, B_KMAJOR: gl.constexpr):
@@ -196,6 +197,17 @@ if _GLUON:
         return _clamp_max(gl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit)
 
     @gluon.jit
+    def _gelu_tanh(v):
+        """``expert_fwd._gelu_tanh``: the tanh-approximated GELU as v * sigmoid(2u)."""
+        return v * _sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+
+    @gluon.jit
+    def _gelu_tanh_grad(v):
+        """``expert_fwd._gelu_tanh_grad``."""
+        s = _sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+        return s + v * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 0.134145 * v * v))
+
+    @gluon.jit
     def _act_forward(a, b, alpha, limit, ACT: gl.constexpr):
         """H in fp32 from the rounded A and B, with the arithmetic of ``expert_fwd._act_forward`` (so bitwise its
         result); ``ACT``: a value of :data:`ACTIVATIONS`."""
@@ -206,6 +218,8 @@ if _GLUON:
         elif ACT == _SWIGLU_CLAMP:
             g = _clamp_max(a, limit)
             hid = g * _sigmoid(g) * _clamp(b, limit)
+        elif ACT == _GEGLU_TANH:
+            hid = _gelu_tanh(a) * b
         else:
             gl.static_assert(ACT == _SWIGLU_OAI)
             g = _clamp_max(a, limit)
@@ -229,6 +243,11 @@ if _GLUON:
             hid = silu * u
             d_a = gl.where(a <= limit, d_hid, 0.0) * u * (sig * (1.0 + g * (1.0 - sig)))
             d_b = gl.where(gl.abs(b) <= limit, d_hid, 0.0) * silu
+        elif ACT == _GEGLU_TANH:
+            gelu = _gelu_tanh(a)
+            hid = gelu * b
+            d_a = d_hid * b * _gelu_tanh_grad(a)
+            d_b = d_hid * gelu
         else:
             gl.static_assert(ACT == _SWIGLU_OAI)
             g = _clamp_max(a, limit)

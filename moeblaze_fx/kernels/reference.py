@@ -121,8 +121,8 @@ def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> Disp
 # Activations. A gated activation maps the pre-activations (gate, up) [n, h] each to H [n, h]; a
 # plain one maps the single pre-activation [n, h] (called ``gate`` here) to H.
 # ---------------------------------------------------------------------------------------------
-GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "swiglu_clamp")
-PLAIN_ACTIVATIONS = ("silu", "gelu", "relu", "relu2")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "swiglu_clamp")
+PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 ACTIVATIONS = GATED_ACTIVATIONS + PLAIN_ACTIVATIONS
 CLAMPED_ACTIVATIONS = ("swiglu_oai", "swiglu_clamp")  # those with a limit
 _SPEC = re.compile(r"^(\w+)(?:\((?:alpha=([^,()]+),)?limit=([^,()]+)\))?$")
@@ -132,7 +132,9 @@ class Activation(NamedTuple):
     """An expert activation. ``swiglu_oai`` is the clamped SwiGLU of gpt-oss:
     ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``;
     ``swiglu_clamp`` the clamped SwiGLU of DeepSeek-V4 and HY-V4: ``silu(clamp(gate, max=limit)) *
-    clamp(up, -limit, limit)``; ``relu2`` the squared ReLU of Nemotron-H's (plain) experts: ``relu(gate) ** 2``."""
+    clamp(up, -limit, limit)``; ``relu2`` the squared ReLU of Nemotron-H's (plain) experts: ``relu(gate) ** 2``;
+    ``geglu_tanh`` and ``gelu_tanh`` use the tanh-approximated GELU, ``F.gelu(v, approximate="tanh")`` (Gemma 4's
+    ``gelu_pytorch_tanh``), where ``geglu`` and ``gelu`` use the exact (erf) one."""
 
     name: str
     alpha: float = 1.0
@@ -159,7 +161,8 @@ def parse_activation(spec: "str | Activation") -> Activation:
     name = m and m.group(1)
     if (m is None or name not in ACTIVATIONS or (name in CLAMPED_ACTIVATIONS) != (m.group(3) is not None)
             or (name == "swiglu_oai") != (m.group(2) is not None)):
-        raise ValueError(f"unknown activation {spec!r}; supported: {PLAIN_ACTIVATIONS + GATED_ACTIVATIONS[:2]}, "
+        unclamped = tuple(a for a in ACTIVATIONS if a not in CLAMPED_ACTIVATIONS)
+        raise ValueError(f"unknown activation {spec!r}; supported: {unclamped}, "
                          f"'swiglu_oai(alpha=A,limit=L)' and 'swiglu_clamp(limit=L)'")
     if name not in CLAMPED_ACTIVATIONS:
         return Activation(name)
@@ -177,6 +180,13 @@ def _gelu_grad(v: Tensor) -> Tensor:
     return cdf + v * torch.exp(-0.5 * v * v) * 0.3989422804014327
 
 
+def _gelu_tanh_grad(v: Tensor) -> Tensor:
+    """The derivative of ``F.gelu(v, approximate="tanh")`` = 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3)."""
+    c = math.sqrt(2.0 / math.pi)
+    t = torch.tanh(c * (v + 0.044715 * v ** 3))
+    return 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * c * (1 + 3 * 0.044715 * v * v)
+
+
 def _silu_grad(v: Tensor) -> Tensor:
     sig = torch.sigmoid(v)
     return sig * (1 + v * (1 - sig))
@@ -188,6 +198,8 @@ def activation_forward(act: Activation, gate: Tensor, up: Tensor | None) -> Tens
         return F.silu(gate) * up
     if name == "geglu":
         return F.gelu(gate) * up
+    if name == "geglu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     if name == "swiglu_oai":
         g = gate.clamp(max=act.limit)
         return (up.clamp(-act.limit, act.limit) + 1) * (g * torch.sigmoid(act.alpha * g))
@@ -197,6 +209,8 @@ def activation_forward(act: Activation, gate: Tensor, up: Tensor | None) -> Tens
         return F.silu(gate)
     if name == "gelu":
         return F.gelu(gate)
+    if name == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
     if name == "relu":
         return F.relu(gate)
     if name == "relu2":
@@ -212,6 +226,8 @@ def activation_backward(act: Activation, gate: Tensor, up: Tensor | None, d_h: T
         return d_h * up * _silu_grad(gate), d_h * F.silu(gate)
     if name == "geglu":
         return d_h * up * _gelu_grad(gate), d_h * F.gelu(gate)
+    if name == "geglu_tanh":
+        return d_h * up * _gelu_tanh_grad(gate), d_h * F.gelu(gate, approximate="tanh")
     if name == "swiglu_oai":
         L, a = act.limit, act.alpha
         g = gate.clamp(max=L)
@@ -230,6 +246,8 @@ def activation_backward(act: Activation, gate: Tensor, up: Tensor | None, d_h: T
         return d_h * _silu_grad(gate), None
     if name == "gelu":
         return d_h * _gelu_grad(gate), None
+    if name == "gelu_tanh":
+        return d_h * _gelu_tanh_grad(gate), None
     if name == "relu":
         return d_h * (gate > 0), None
     if name == "relu2":

@@ -270,15 +270,17 @@ def _constants(node: fx.Node) -> list[float]:
 # Elementwise functions that give an expert activation its shape. A region may call only those its activation
 # accounts for: one that calls another (a clamp beside silu, a tanh soft-cap, the tanh-approximated GELU) computes
 # another function, which a numerical check at small pre-activations can miss (a clamp at 10 is never reached there).
+_TANH_GELU = "gelu(approximate='tanh')"  # how the tanh-approximated GELU is named here (_shaping_name)
 _CLAMP_CALLS = {"clamp", "clamp_min", "clamp_max", "clip"}  # those whose bounds are constants
 _CLAMPS = _CLAMP_CALLS | {"minimum", "maximum", "hardtanh"}
 _SHAPING = _CLAMPS | {
-    "silu", "sigmoid", "gelu", "gelu(approximate='tanh')", "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
+    "silu", "sigmoid", "gelu", _TANH_GELU, "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
     "mish", "hardswish", "hardsigmoid", "softplus", "softsign", "logsigmoid", "tanh", "tanhshrink", "erf", "erfc",
     "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "square", "sqrt", "rsqrt", "reciprocal", "abs", "sign",
     "sin", "cos"}
 _ACCOUNTED = {"swiglu": {"silu", "sigmoid"}, "silu": {"silu", "sigmoid"}, "geglu": {"gelu"}, "gelu": {"gelu"},
-              "relu": {"relu"}, "swiglu_oai": _CLAMPS | {"sigmoid"}, "swiglu_clamp": _CLAMPS | {"silu", "sigmoid"},
+              "geglu_tanh": {_TANH_GELU}, "gelu_tanh": {_TANH_GELU}, "relu": {"relu"},
+              "swiglu_oai": _CLAMPS | {"sigmoid"}, "swiglu_clamp": _CLAMPS | {"silu", "sigmoid"},
               "relu2": {"relu", "square", "pow"}}
 
 
@@ -296,7 +298,7 @@ def _no_op_clamp(node: fx.Node) -> bool:
 def _shaping_name(node: fx.Node) -> str:
     name = canonical_name(node)
     if name == "gelu" and (node.kwargs.get("approximate") or (node.args[1:2] or ["none"])[0]) != "none":
-        return "gelu(approximate='tanh')"
+        return _TANH_GELU
     return name
 
 
@@ -334,8 +336,9 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     if gated and clamps and any(fn in nodes and isinstance(arg := nodes[fn].args[0], fx.Node)
                                 and canonical_name(arg) in _CLAMPS for fn in ("silu", "sigmoid")):
         found.append(Activation("swiglu_clamp", 1.0, max(abs(c) for c in clamps)))
-    if "gelu" in nodes:
+    if "gelu" in nodes:  # exact or tanh-approximated (Gemma 4): the one the region calls is accounted for
         found.append(Activation("geglu" if gated else "gelu"))
+        found.append(Activation("geglu_tanh" if gated else "gelu_tanh"))
     if "relu" in nodes and not gated:
         found.append(Activation("relu"))
         found.append(Activation("relu2"))  # Nemotron-H: relu(x) ** 2, spelled with square, pow or a product
@@ -400,7 +403,7 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     if not layouts:
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
-                f"SiLU, GELU, ReLU, squared ReLU) computes what the experts call: "
+                f"SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: "
                 f"{', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):

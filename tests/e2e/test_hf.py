@@ -133,6 +133,24 @@ def test_nemotron_h_squared_relu_is_rewritten(impl):
     assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == ["activation relu2"] * 2
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gemma4_tanh_geglu_is_rewritten(impl):
+    """Gemma 4's experts compute gelu_pytorch_tanh(gate) * up: rewritten as geglu_tanh (left alone before it
+    existed, as no activation accounted for the tanh GELU)."""
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    cfg = transformers.Gemma4TextConfig(**COMMON, head_dim=8, global_head_dim=8, enable_moe_block=True, num_experts=8,
+                                        top_k_experts=2, moe_intermediate_size=24, intermediate_size=48,
+                                        vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    assert cfg.hidden_activation == "gelu_pytorch_tanh"
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).float()
+    model.set_experts_implementation(impl)
+    assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
+    assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == ["activation geglu_tanh"] * LAYERS
+
+
 def test_mixtral_through_inductor_recompute():
     model = build("mixtral", "grouped_mm", torch.float32)
     got = run_eager_and_compiled(model, (_tokens(),), options={"checkpoint": "recompute"})

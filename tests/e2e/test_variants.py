@@ -42,7 +42,7 @@ class GptOssStyleMoE(nn.Module):
         return out
 
 
-PLAIN = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+PLAIN = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
          # Nemotron-H's squared ReLU (transformers' ReLUSquaredActivation), and two other spellings of it
          "relu2": lambda v: torch.square(F.relu(v)), "relu_pow": lambda v: F.relu(v) ** 2,
          "relu_times_relu": lambda v: F.relu(v) * F.relu(v),
@@ -55,12 +55,13 @@ class Expert(nn.Module):
         super().__init__()
         self.act = act
         self.w1 = nn.Linear(d, h, bias=bias)
-        self.w3 = nn.Linear(d, h, bias=bias) if act in ("geglu", "swiglu") else None
+        self.w3 = nn.Linear(d, h, bias=bias) if act in ("geglu", "geglu_tanh", "swiglu") else None
         self.w2 = nn.Linear(h, d, bias=bias)
 
     def forward(self, x):
-        if self.act == "geglu":
-            return self.w2(F.gelu(self.w1(x)) * self.w3(x))
+        if self.act in ("geglu", "geglu_tanh"):
+            approximate = "tanh" if self.act == "geglu_tanh" else "none"
+            return self.w2(F.gelu(self.w1(x), approximate=approximate) * self.w3(x))
         if self.act == "swiglu":
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(PLAIN[self.act](self.w1(x)))
@@ -95,7 +96,7 @@ def test_gpt_oss_style_is_rewritten_and_matches_eager():
 
 
 @pytest.mark.parametrize("act,bias", [("geglu", True), ("swiglu", True), ("silu", False), ("gelu", True),
-                                      ("relu", False), ("relu2", True)])
+                                      ("relu", False), ("relu2", True), ("geglu_tanh", True), ("gelu_tanh", False)])
 def test_modulelist_variants_are_rewritten_and_match_eager(act, bias):
     torch.manual_seed(0)
     counts = run_eager_and_compiled(ModuleListMoE(act=act, bias=bias), (_x(),))
@@ -147,8 +148,10 @@ class ShapedActivationMoE(nn.Module):
         "infinite_clamps": lambda g, u: F.silu(g).clamp(max=float("inf")) * u.clamp(-float("inf"), float("inf")),
         # a tanh soft-cap of the gate, the identity to 1e-4 at these inputs
         "softcapped_swiglu": lambda g, u: F.silu(30.0 * torch.tanh(g / 30.0)) * u,
-        # Gemma 4's gelu_pytorch_tanh experts: within 4e-5 of exact GeGLU
+        # Gemma 4's gelu_pytorch_tanh experts (within 4e-5 of exact GeGLU): geglu_tanh
         "tanh_geglu": lambda g, u: F.gelu(g, approximate="tanh") * u,
+        # the tanh GELU on the gate and the exact one on the up: neither GeGLU
+        "two_gelus": lambda g, u: F.gelu(g, approximate="tanh") * F.gelu(u),
     }
 
     def __init__(self, act, d=16, h=12, E=4, K=2):
@@ -169,7 +172,7 @@ class ShapedActivationMoE(nn.Module):
 
 
 @pytest.mark.parametrize("act,called", [("clamped_after_silu", "clamp, silu"), ("softcapped_swiglu", "silu, tanh"),
-                                        ("tanh_geglu", "gelu(approximate='tanh')")])
+                                        ("two_gelus", "gelu, gelu(approximate='tanh')")])
 def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
     """Each was rewritten as plain SwiGLU or GeGLU before, a different function (a clamp at 10 shows only once
     training grows the pre-activations past it): now left alone, with the functions named."""
@@ -177,7 +180,18 @@ def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
     assert run_eager_and_compiled(ShapedActivationMoE(act), (_x(),)) == {"skipped": 1}
     assert moeblaze_fx.last_report()[0].reason == (
         "no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, SiLU, GELU, "
-        f"ReLU, squared ReLU) computes what the experts call: {called}")
+        f"ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: {called}")
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0])
+def test_tanh_geglu_is_rewritten_and_matches_eager(scale):
+    """Gemma 4's experts, F.gelu(gate, approximate="tanh") * up: rewritten as geglu_tanh, not as the exact GeGLU
+    (which a check at small inputs cannot tell apart). Tokens scaled by 6 put the pre-activations where the two GELUs
+    differ most (|v| ~ 2-3) and where the tanh form saturates."""
+    torch.manual_seed(0)
+    x = (_x() * scale).detach().requires_grad_()
+    assert run_eager_and_compiled(ShapedActivationMoE("tanh_geglu"), (x,)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("activation geglu_tanh")
 
 
 @pytest.mark.parametrize("act,spec", [("clamped_swiglu", "swiglu_clamp(limit=10.0)"), ("infinite_clamps", "swiglu")])
@@ -369,3 +383,14 @@ moeblaze: 1 of 1 MoE candidate(s) rewritten
   [0] rewritten tests/e2e/test_variants.py:41  per-expert loop [where+index_add]
       T=10 d=16 h=12 E=4 K=2 float32  policy=activations  saved for backward: 10.7 KB -> 2.7 KB
       layout: gate = gate_up_proj.T[0::2], up = gate_up_proj.T[1::2], down = down_proj.T, gate_bias = gate_up_proj_bias[0::2], up_bias = gate_up_proj_bias[1::2], down_bias = down_proj_bias; activation swiglu_oai(alpha=1.702,limit=0.9); check: numerical: forward and gradients within rel. error 1e-06 of the operator""")
+
+
+@pytest.mark.cuda
+def test_tanh_geglu_bf16_step_on_cuda():
+    """Gemma 4's tanh GeGLU through the operator's CUDA kernels under Inductor (d = 64: the Gluon up kernel and
+    fused dh on sm_90): a bf16 step equals eager."""
+    torch.manual_seed(0)
+    model = ShapedActivationMoE("tanh_geglu", d=64, h=96, E=8, K=2).to(torch.bfloat16).cuda()
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda().requires_grad_()
+    assert run_eager_and_compiled(model, (x,), dtype=torch.bfloat16) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("activation geglu_tanh")

@@ -136,7 +136,8 @@ def test_gather_usable_needs_a_swiglu_unbiased_and_aligned_rows():
     assert gather_sm90.up_usable(x, hid, None, "swiglu", False, 128)  # "recompute": A|B not kept
     assert gather_sm90.up_usable(x, hid, pre, "swiglu_clamp", False, 128)  # SwiGLU's clamped forms
     assert gather_sm90.up_usable(x, hid, pre, "swiglu_oai", False, 128)
-    assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # only the SwiGLUs' epilogues
+    assert gather_sm90.up_usable(x, hid, pre, "geglu_tanh", False, 128)  # Gemma 4's
+    assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # erf: the Triton kernel
     assert not gather_sm90.up_usable(x, hid, pre, "relu2", False, 128)
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", False, 64)  # plan tiles of another height
@@ -159,7 +160,8 @@ def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows(monkeypatc
     assert usable(dy, hw, pre, dpre, wts.bfloat16(), "swiglu", 64, 128)  # routing weights of any float dtype
     assert usable(dy, hw, pre, dpre, wts, "swiglu_clamp", 64, 128)
     assert usable(dy, hw, pre, dpre, wts, "swiglu_oai", 64, 128)
-    assert not usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)  # only the SwiGLUs' backward
+    assert usable(dy, hw, pre, dpre, wts, "geglu_tanh", 64, 128)
+    assert not usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)
     assert not usable(dy, hw, pre, dpre, wts, "silu", 64, 128)
     assert not usable(dy, hw, pre, dpre, wts, "swiglu", 32, 128)  # partials in other chunks
     assert not usable(dy, hw, pre, dpre, wts, "swiglu", 64, 64)  # plan tiles of another height
@@ -296,16 +298,17 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ("activations", "recompute"))
-@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)"],
+@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)", "geglu_tanh"],
                          ids=lambda a: a.split("(")[0])
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,window_slots", [
     (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, 500),  # windows
     (700, 512, 192, 4, 2, "one_expert", "dense", torch.float16, 0),  # columns past h, h % 64 != 0
 ], ids=["windows", "h192"])
-def test_gluon_clamped_swiglus_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
-                                                         window_slots, act, policy):
+def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
+                                                           window_slots, act, policy):
     # The up kernel and the fused dh with the clamped SwiGLUs (DeepSeek-V4's, gpt-oss's), limit 0.6: both clamps
-    # act on many of the unit-variance pre-activations. The Triton kernels give the same results bitwise.
+    # act on many of the unit-variance pre-activations; and with Gemma 4's tanh GeGLU. The Triton kernels give the
+    # same results bitwise.
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 17)

@@ -160,6 +160,8 @@ def test_bad_layout_is_a_clear_error(layout, activation, message):
     ("swiglu_clamp(limit=10.0)", ("swiglu_clamp", 1.0, 10.0)),
     ("swiglu_oai(alpha=1.702,limit=7.0)", ("swiglu_oai", 1.702, 7.0)),
     ("relu2", ("relu2", 1.0, 0.0)),
+    ("geglu_tanh", ("geglu_tanh", 1.0, 0.0)),
+    ("gelu_tanh", ("gelu_tanh", 1.0, 0.0)),
 ])
 def test_activation_specs_round_trip(spec, want):
     act = parse_activation(spec)
@@ -170,6 +172,8 @@ def test_activation_specs_round_trip(spec, want):
     ("swiglu_clamp", "unknown activation"),  # the limit is part of the function
     ("swiglu_clamp(alpha=1.0,limit=2.0)", "unknown activation"),  # no alpha
     ("relu2(limit=1.0)", "unknown activation"),
+    ("gelu(approximate='tanh')", "supported: ('swiglu', 'geglu', 'geglu_tanh', 'silu', 'gelu', 'gelu_tanh', 'relu', "
+                                 "'relu2')"),
     ("swiglu_clamp(limit=0)", "swiglu_clamp needs a finite alpha and a finite limit > 0"),
     ("swiglu_clamp(limit=inf)", "finite limit"),
     ("swiglu_clamp(limit=ten)", "finite limit"),
