@@ -4,8 +4,9 @@ Two things happen here, both driven by the tables below (a new spelling is a new
 
 * **Roles.** Every node gets ``node.meta["moeblaze_role"]``: what it means for MoE analysis
   (``"topk"``, ``"dispatch"``, ``"grouped_mm"``, ``"matmul"``, ``"combine"``, ``"running_count"``,
-  ``"compare"``, ``"assert"``, or ``None``), whatever its spelling: a function, a method, an aten
-  overload or a library's custom op.
+  ``"compare"``, ``"attention"``, ``"assert"``, or ``None``), whatever its spelling: a function, a method, an
+  aten overload or a library's custom op. Eager attention has no op of its own: its softmax takes the role
+  where the probabilities weigh a matrix product.
 * **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
   ``inv[perm] = arange``, ``w /= s``) become their out-of-place forms, and later readers of the
   mutated tensor read the new value instead. Data flow is then visible in the def-use edges, which
@@ -133,12 +134,27 @@ def role(node: fx.Node) -> Optional[str]:
     return node.meta.get("moeblaze_role")
 
 
+# What an eager attention's probabilities pass through on their way to the product with the values.
+_PASS_THROUGH = frozenset({"getitem", "dropout", "to", "type", "float", "half", "bfloat16", "contiguous"})
+
+
+def _weighs_a_product(node: fx.Node) -> bool:
+    """Whether the node's value (through casts, dropout and indexing) is a factor of a matrix product."""
+    for user in node.users:
+        name = canonical_name(user)
+        if ROLE_OF.get(name) == "matmul" or (name in _PASS_THROUGH and _weighs_a_product(user)):
+            return True
+    return False
+
+
 def _role_of(node: fx.Node) -> Optional[str]:
     name = canonical_name(node)
     if name in ASSERT_NAMES:
         return "assert"
     if name == "where" and len(node.args) + len(node.kwargs) == 1:
         return "dispatch"  # torch.where(cond) is nonzero
+    if name in ("softmax", "_softmax") and _weighs_a_product(node):
+        return "attention"  # eager attention (HY-V4's, with its sinks): probabilities weighing the values
     return ROLE_OF.get(name)
 
 

@@ -1,7 +1,7 @@
-"""A sparse-attention indexer's top-k (DeepSeek-V3.2, GLM-5 under SDPA): it picks the keys each query attends to and
-scatters them into the attention mask. Its region calls attention and selects no experts: no MoE, not reported.
-It was reported as a skipped MoE, with whatever its region first failed on (an in-place update of the KV cache in
-those models), while the MoE block after it is rewritten as before."""
+"""A sparse-attention indexer's top-k (DeepSeek-V3.2, GLM-5 under SDPA; HY-V4, whose attention sinks take the eager
+path): it picks the keys each query attends to and scatters them into the attention mask. Its region calls attention
+and selects no experts: no MoE, not reported. It was reported as a skipped MoE, with whatever its region first failed
+on (an in-place update of the KV cache in those models), while the MoE block after it is rewritten as before."""
 import pytest
 import torch
 import torch.nn as nn
@@ -13,8 +13,9 @@ import moeblaze_fx
 
 
 class IndexedAttentionThenMoE(nn.Module):
-    def __init__(self, d=16, heads=2, keys=4):
+    def __init__(self, d=16, heads=2, keys=4, eager=False):
         super().__init__()
+        self.eager = eager
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.index = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
@@ -27,16 +28,23 @@ class IndexedAttentionThenMoE(nn.Module):
         scores = self.index(hidden) @ hidden.transpose(1, 2)  # [B, S, S]: the indexer's key scores
         picked = scores.topk(self.keys, dim=-1).indices.to(torch.int32)  # as transformers' indexers return them
         masked = picked.new_ones((B, S, S), dtype=torch.bool).scatter(-1, picked.long(), False)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked.unsqueeze(1))
+        if self.eager:  # transformers' eager attention with a sink column, as HY-V4's
+            logits = (q @ k.transpose(-1, -2)).masked_fill(masked.unsqueeze(1), float("-inf"))
+            logits = torch.cat([logits, logits.new_zeros(B, self.heads, S, 1)], dim=-1)
+            probs = F.softmax(logits, dim=-1)[..., :-1]
+            attn = F.dropout(probs, p=0.0, training=self.training).to(v.dtype) @ v
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked.unsqueeze(1))
         hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(B, S, d))
         return hidden + self.moe(hidden)
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager-attention"])
 @pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
-def test_indexer_top_k_is_no_moe(inductor):
+def test_indexer_top_k_is_no_moe(inductor, eager):
     torch.manual_seed(0)
     x = _x().detach().requires_grad_()
-    got = run_eager_and_compiled(IndexedAttentionThenMoE(), (x,), options={"inductor": inductor})
+    got = run_eager_and_compiled(IndexedAttentionThenMoE(eager=eager), (x,), options={"inductor": inductor})
     assert got == {"rewritten": 1}
     (record,) = moeblaze_fx.last_report()
     assert record.status == "rewritten" and record.E == 4
