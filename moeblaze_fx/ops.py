@@ -639,7 +639,8 @@ def moe_ffn(
             without copies), or Hugging Face's ``(w_gate_up [E, 2h, d], w_down [E, d, h])``.
         activation: one of ``"swiglu"``, ``"geglu"``, ``"geglu_tanh"`` (Gemma 4: the GELU approximated with
             tanh), ``"swiglu_oai(alpha=A,limit=L)"`` (gpt-oss), ``"swiglu_clamp(limit=L)"`` (DeepSeek-V4:
-            ``silu(gate.clamp(max=L)) * up.clamp(-L, L)``) (gated: gate and up), ``"silu"``, ``"gelu"``,
+            ``silu(gate.clamp(max=L)) * up.clamp(-L, L)``), ``"swiglu_softcap(gate=G,up=U)"`` (Inkling 2:
+            ``G tanh(gate / G) * sigmoid(gate) * U tanh(up / U)``) (gated: gate and up), ``"silu"``, ``"gelu"``,
             ``"gelu_tanh"``, ``"relu"``, ``"relu2"`` (Nemotron-H: ``relu(gate) ** 2``) (plain: ``experts.up`` is
             None).
         checkpoint: ``"activations"`` (save the pre-activations) or ``"recompute"`` (save only x,

@@ -8,7 +8,7 @@ Expert weights are read only through per-expert pointer tables (:class:`~moeblaz
 each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
 ``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
 read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, geglu_tanh, swiglu_oai,
-swiglu_clamp) have a gate and an up projection, plain ones (silu, gelu, gelu_tanh, relu, relu2) only the gate
+swiglu_clamp, swiglu_softcap) have a gate and an up projection, plain ones (silu, gelu, gelu_tanh, relu, relu2) only the gate
 projection.
 
 Data flow (three launches)::
@@ -86,7 +86,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # The ACT constexpr of the kernels (the GATED constexpr says whether there is an up projection).
 ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6,
-             "relu2": 7, "geglu_tanh": 8, "gelu_tanh": 9}
+             "relu2": 7, "geglu_tanh": 8, "gelu_tanh": 9, "swiglu_softcap": 10}
 _SWIGLU = tl.constexpr(0)
 _GEGLU = tl.constexpr(1)
 _SWIGLU_OAI = tl.constexpr(2)
@@ -97,6 +97,7 @@ _SWIGLU_CLAMP = tl.constexpr(6)
 _RELU2 = tl.constexpr(7)
 _GEGLU_TANH = tl.constexpr(8)
 _GELU_TANH = tl.constexpr(9)
+_SWIGLU_SOFTCAP = tl.constexpr(10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +203,19 @@ def _gelu_tanh_grad(v):
 
 
 @triton.jit
+def _tanh(v):
+    """tanh in fp32 from exp (Triton's core has no tanh, and the interpreter runs no libdevice): (1 - e) / (1 + e),
+    e = exp(-2|v|), and below |v| = 0.1, where 1 - e cancels, the odd Taylor series to v^7 (relative error under
+    1e-9 there). NaN stays NaN."""
+    m = tl.abs(v)
+    e = tl.exp(-2.0 * m)
+    v2 = v * v
+    small = m * (1.0 + v2 * (-0.3333333333333333 + v2 * (0.13333333333333333 + v2 * -0.05396825396825397)))
+    t = tl.where(m < 0.1, small, (1.0 - e) / (1.0 + e))
+    return tl.where(v < 0.0, -t, t)
+
+
+@triton.jit
 def _clamp_max(v, limit):
     """``torch.clamp(v, max=limit)``: a NaN stays NaN (the GPU's plain minimum would return the limit, and hide it)."""
     return tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
@@ -229,6 +243,8 @@ def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
     elif ACT == _SWIGLU_CLAMP:
         g = _clamp_max(a, limit)
         hid = g * tl.sigmoid(g) * _clamp(b, limit)
+    elif ACT == _SWIGLU_SOFTCAP:  # alpha: the gate's cap, limit: the up's
+        hid = (_tanh(a / alpha) * alpha) * tl.sigmoid(a) * (_tanh(b / limit) * limit)
     elif ACT == _SILU:
         hid = a * tl.sigmoid(a)
     elif ACT == _GELU:
@@ -281,6 +297,15 @@ def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
         hid = silu * u
         d_a = tl.where(a <= limit, d_hid, 0.0) * u * (sig * (1.0 + g * (1.0 - sig)))
         d_b = tl.where(tl.abs(b) <= limit, d_hid, 0.0) * silu
+    elif ACT == _SWIGLU_SOFTCAP:
+        tg = _tanh(a / alpha)
+        tu = _tanh(b / limit)
+        sig = tl.sigmoid(a)
+        gate = (tg * alpha) * sig
+        up = tu * limit
+        hid = gate * up
+        d_a = d_hid * up * ((1.0 - tg * tg) * sig + (tg * alpha) * sig * (1.0 - sig))
+        d_b = d_hid * gate * (1.0 - tu * tu)
     elif ACT == _SILU:
         sig = tl.sigmoid(a)
         hid = a * sig

@@ -5,7 +5,7 @@ Both multiply rows gathered through the token index by one expert's weights, til
 tiles (the plan's 128-slot tiles):
 
 * the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
-  its clamped forms and the tanh GeGLU, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores
+  its clamped and soft-capped forms and the tanh GeGLU, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores
   A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed from the rounded values;
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
@@ -89,7 +89,7 @@ _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
 # The activations the up kernel's and the fused dh's epilogues implement, and their ACT constexpr: the gated ones
 # whose arithmetic is a few elementwise operations (GEGLU's erf and the plain activations take the Triton kernels).
-ACTIVATIONS = {"swiglu": 0, "swiglu_clamp": 1, "swiglu_oai": 2, "geglu_tanh": 3}
+ACTIVATIONS = {"swiglu": 0, "swiglu_clamp": 1, "swiglu_oai": 2, "geglu_tanh": 3, "swiglu_softcap": 4}
 
 
 if _GLUON:
@@ -99,6 +99,7 @@ if _GLUON:
     _SWIGLU_CLAMP: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_clamp"])
     _SWIGLU_OAI: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_oai"])
     _GEGLU_TANH: gl.constexpr = gl.constexpr(ACTIVATIONS["geglu_tanh"])
+    _SWIGLU_SOFTCAP: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_softcap"])
 
     @gluon.jit
     def _load_b(desc, e_rows, e, n0, k, bar, buf, B_KMAJOR: gl.constexpr):
@@ -208,6 +209,16 @@ if _GLUON:
         return s + v * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 0.134145 * v * v))
 
     @gluon.jit
+    def _tanh(v):
+        """``expert_fwd._tanh``."""
+        m = gl.abs(v)
+        e = gl.exp(-2.0 * m)
+        v2 = v * v
+        small = m * (1.0 + v2 * (-0.3333333333333333 + v2 * (0.13333333333333333 + v2 * -0.05396825396825397)))
+        t = gl.where(m < 0.1, small, (1.0 - e) / (1.0 + e))
+        return gl.where(v < 0.0, -t, t)
+
+    @gluon.jit
     def _act_forward(a, b, alpha, limit, ACT: gl.constexpr):
         """H in fp32 from the rounded A and B, with the arithmetic of ``expert_fwd._act_forward`` (so bitwise its
         result); ``ACT``: a value of :data:`ACTIVATIONS`."""
@@ -220,6 +231,8 @@ if _GLUON:
             hid = g * _sigmoid(g) * _clamp(b, limit)
         elif ACT == _GEGLU_TANH:
             hid = _gelu_tanh(a) * b
+        elif ACT == _SWIGLU_SOFTCAP:
+            hid = (_tanh(a / alpha) * alpha) * _sigmoid(a) * (_tanh(b / limit) * limit)
         else:
             gl.static_assert(ACT == _SWIGLU_OAI)
             g = _clamp_max(a, limit)
@@ -248,6 +261,15 @@ if _GLUON:
             hid = gelu * b
             d_a = d_hid * b * _gelu_tanh_grad(a)
             d_b = d_hid * gelu
+        elif ACT == _SWIGLU_SOFTCAP:
+            tg = _tanh(a / alpha)
+            tu = _tanh(b / limit)
+            sig = _sigmoid(a)
+            gate = (tg * alpha) * sig
+            up = tu * limit
+            hid = gate * up
+            d_a = d_hid * up * ((1.0 - tg * tg) * sig + (tg * alpha) * sig * (1.0 - sig))
+            d_b = d_hid * gate * (1.0 - tu * tu)
         else:
             gl.static_assert(ACT == _SWIGLU_OAI)
             g = _clamp_max(a, limit)

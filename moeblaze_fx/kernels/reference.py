@@ -121,19 +121,24 @@ def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> Disp
 # Activations. A gated activation maps the pre-activations (gate, up) [n, h] each to H [n, h]; a
 # plain one maps the single pre-activation [n, h] (called ``gate`` here) to H.
 # ---------------------------------------------------------------------------------------------
-GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "swiglu_clamp")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "swiglu_clamp", "swiglu_softcap")
 PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 ACTIVATIONS = GATED_ACTIVATIONS + PLAIN_ACTIVATIONS
+# The activations with parameters: the names their spec gives them, in order, and the Activation field each fills.
+PARAMETERS = {"swiglu_oai": (("alpha", "alpha"), ("limit", "limit")), "swiglu_clamp": (("limit", "limit"),),
+              "swiglu_softcap": (("gate", "alpha"), ("up", "limit"))}
 CLAMPED_ACTIVATIONS = ("swiglu_oai", "swiglu_clamp")  # those with a limit
-_SPEC = re.compile(r"^(\w+)(?:\((?:alpha=([^,()]+),)?limit=([^,()]+)\))?$")
+_SPEC = re.compile(r"^(\w+)(?:\(([^()]*)\))?$")
 
 
 class Activation(NamedTuple):
     """An expert activation. ``swiglu_oai`` is the clamped SwiGLU of gpt-oss:
     ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``;
     ``swiglu_clamp`` the clamped SwiGLU of DeepSeek-V4 and HY-V4: ``silu(clamp(gate, max=limit)) *
-    clamp(up, -limit, limit)``; ``relu2`` the squared ReLU of Nemotron-H's (plain) experts: ``relu(gate) ** 2``;
-    ``geglu_tanh`` and ``gelu_tanh`` use the tanh-approximated GELU, ``F.gelu(v, approximate="tanh")`` (Gemma 4's
+    clamp(up, -limit, limit)``; ``swiglu_softcap`` the soft-capped SwiGLU of Inkling 2: ``softcap(gate, alpha) *
+    sigmoid(gate) * softcap(up, limit)`` with ``softcap(v, c) = c * tanh(v / c)`` (spec ``swiglu_softcap(gate=A,
+    up=L)``); ``relu2`` the squared ReLU of Nemotron-H's (plain) experts: ``relu(gate) ** 2``; ``geglu_tanh`` and
+    ``gelu_tanh`` use the tanh-approximated GELU, ``F.gelu(v, approximate="tanh")`` (Gemma 4's
     ``gelu_pytorch_tanh``), where ``geglu`` and ``gelu`` use the exact (erf) one."""
 
     name: str
@@ -147,10 +152,11 @@ class Activation(NamedTuple):
     @property
     def spec(self) -> str:
         """The string form the operator takes: ``"swiglu"``, ``"swiglu_oai(alpha=1.702,limit=7.0)"``,
-        ``"swiglu_clamp(limit=10.0)"``."""
-        if self.name == "swiglu_oai":
-            return f"{self.name}(alpha={self.alpha!r},limit={self.limit!r})"
-        return f"{self.name}(limit={self.limit!r})" if self.name == "swiglu_clamp" else self.name
+        ``"swiglu_clamp(limit=10.0)"``, ``"swiglu_softcap(gate=4.0,up=25.0)"``."""
+        params = PARAMETERS.get(self.name)
+        if params is None:
+            return self.name
+        return f"{self.name}({','.join(f'{key}={getattr(self, field)!r}' for key, field in params)})"
 
 
 def parse_activation(spec: "str | Activation") -> Activation:
@@ -159,20 +165,27 @@ def parse_activation(spec: "str | Activation") -> Activation:
         return spec
     m = _SPEC.match(spec) if isinstance(spec, str) else None
     name = m and m.group(1)
-    if (m is None or name not in ACTIVATIONS or (name in CLAMPED_ACTIVATIONS) != (m.group(3) is not None)
-            or (name == "swiglu_oai") != (m.group(2) is not None)):
-        unclamped = tuple(a for a in ACTIVATIONS if a not in CLAMPED_ACTIVATIONS)
-        raise ValueError(f"unknown activation {spec!r}; supported: {unclamped}, "
-                         f"'swiglu_oai(alpha=A,limit=L)' and 'swiglu_clamp(limit=L)'")
-    if name not in CLAMPED_ACTIVATIONS:
+    params = PARAMETERS.get(name, ())
+    keys = [key for key, _ in params]
+    given = [item.split("=", 1) for item in m.group(2).split(",")] if m and m.group(2) is not None else []
+    if m is None or name not in ACTIVATIONS or [g[0] for g in given] != keys or any(len(g) != 2 for g in given):
+        plain = tuple(a for a in ACTIVATIONS if a not in PARAMETERS)
+        forms = ", ".join(f"'{n}({','.join(f'{k}={k[0].upper()}' for k, _ in p)})'" for n, p in PARAMETERS.items())
+        raise ValueError(f"unknown activation {spec!r}; supported: {plain} and {forms}")
+    if not params:
         return Activation(name)
     try:
-        alpha, limit = float(m.group(2) or 1.0), float(m.group(3))
+        values = {field: float(g[1]) for (_, field), g in zip(params, given)}
     except ValueError:
-        alpha = limit = math.nan
-    if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
-        raise ValueError(f"{name} needs a finite alpha and a finite limit > 0; got {spec!r}")
-    return Activation(name, alpha, limit)
+        values = {field: math.nan for _, field in params}
+    positive = [(key, field) for key, field in params if field == "limit" or name == "swiglu_softcap"]  # not alpha
+    if not all(math.isfinite(v) for v in values.values()) or not all(values[field] > 0 for _, field in positive):
+        raise ValueError(f"{name} needs finite parameters, {' and '.join(k for k, _ in positive)} > 0; got {spec!r}")
+    return Activation(name, **values)
+
+
+def _softcap(v: Tensor, cap: float) -> Tensor:
+    return torch.tanh(v / cap) * cap
 
 
 def _gelu_grad(v: Tensor) -> Tensor:
@@ -205,6 +218,8 @@ def activation_forward(act: Activation, gate: Tensor, up: Tensor | None) -> Tens
         return (up.clamp(-act.limit, act.limit) + 1) * (g * torch.sigmoid(act.alpha * g))
     if name == "swiglu_clamp":
         return F.silu(gate.clamp(max=act.limit)) * up.clamp(-act.limit, act.limit)
+    if name == "swiglu_softcap":
+        return _softcap(gate, act.alpha) * torch.sigmoid(gate) * _softcap(up, act.limit)
     if name == "silu":
         return F.silu(gate)
     if name == "gelu":
@@ -241,6 +256,11 @@ def activation_backward(act: Activation, gate: Tensor, up: Tensor | None, d_h: T
         g = gate.clamp(max=L)
         d_gate = d_h * up.clamp(-L, L) * _silu_grad(g) * (gate <= L)
         d_up = d_h * F.silu(g) * ((up >= -L) & (up <= L))
+        return d_gate, d_up
+    if name == "swiglu_softcap":
+        tg, tu, sig = torch.tanh(gate / act.alpha), torch.tanh(up / act.limit), torch.sigmoid(gate)
+        d_gate = d_h * (tu * act.limit) * ((1 - tg * tg) * sig + (tg * act.alpha) * sig * (1 - sig))
+        d_up = d_h * (tg * act.alpha) * sig * (1 - tu * tu)
         return d_gate, d_up
     if name == "silu":
         return d_h * _silu_grad(gate), None

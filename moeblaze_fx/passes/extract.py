@@ -281,6 +281,7 @@ _SHAPING = _CLAMPS | {
 _ACCOUNTED = {"swiglu": {"silu", "sigmoid"}, "silu": {"silu", "sigmoid"}, "geglu": {"gelu"}, "gelu": {"gelu"},
               "geglu_tanh": {_TANH_GELU}, "gelu_tanh": {_TANH_GELU}, "relu": {"relu"},
               "swiglu_oai": _CLAMPS | {"sigmoid"}, "swiglu_clamp": _CLAMPS | {"silu", "sigmoid"},
+              "swiglu_softcap": {"tanh", "sigmoid"},
               "relu2": {"relu", "square", "pow"}}
 
 
@@ -319,6 +320,18 @@ def unaccounted(cand: Candidate, act: Activation) -> list[str]:
     return sorted(_shaping(cand) - _ACCOUNTED[act.name])
 
 
+def _softcap(tanh: fx.Node) -> float | None:
+    """The cap c of a soft-cap ``tanh(v / c) * c`` from its tanh's argument (``v / c`` or ``v * (1 / c)``); None
+    when that is not a division or product by one constant. (The product by c after it is left to the proof.)"""
+    arg = tanh.args[0] if tanh.args else None
+    if not isinstance(arg, fx.Node) or len(consts := _constants(arg)) != 1 or consts[0] == 0:
+        return None
+    name = canonical_name(arg)
+    if name in ("truediv", "div") and not isinstance(arg.args[1], fx.Node):
+        return consts[0]
+    return 1.0 / consts[0] if name in ("mul", "mul_") else None
+
+
 def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     """Activation candidates from the functions the region calls, each accounting for every activation-shaping
     function the region calls."""
@@ -336,6 +349,14 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     if gated and clamps and any(fn in nodes and isinstance(arg := nodes[fn].args[0], fx.Node)
                                 and canonical_name(arg) in _CLAMPS for fn in ("silu", "sigmoid")):
         found.append(Activation("swiglu_clamp", 1.0, max(abs(c) for c in clamps)))
+    # Inkling 2: softcap(gate) * sigmoid(gate) * softcap(up), tanh soft-caps (two an expert in a per-expert loop)
+    # with at most two caps; which one is the gate's is left to the proof
+    caps = {_softcap(n) for n in cand.nodes if canonical_name(n) == "tanh" and _on_floats(n)}
+    if gated and "sigmoid" in nodes and 1 <= len(caps) <= 2 and None not in caps and all(c > 0 for c in caps):
+        first, *rest = sorted(caps)
+        second = rest[0] if rest else first
+        found += [Activation("swiglu_softcap", first, second)] + (
+            [Activation("swiglu_softcap", second, first)] if rest else [])
     if "gelu" in nodes:  # exact or tanh-approximated (Gemma 4): the one the region calls is accounted for
         found.append(Activation("geglu" if gated else "gelu"))
         found.append(Activation("geglu_tanh" if gated else "gelu_tanh"))
@@ -403,7 +424,8 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     if not layouts:
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
-                f"SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: "
+                "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
+                f"the experts call: "
                 f"{', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):

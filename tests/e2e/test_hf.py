@@ -151,6 +151,25 @@ def test_gemma4_tanh_geglu_is_rewritten(impl):
     assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == ["activation geglu_tanh"] * LAYERS
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_inkling2_softcapped_swiglu_is_rewritten(impl):
+    """Inkling 2's experts compute softcap(gate, 4) * sigmoid(gate) * softcap(up, 25): rewritten as swiglu_softcap
+    with the model's caps. Caps 0.05 and 0.08 here, about the random model's pre-activations (std ~0.1), so the
+    soft-caps bend and a cap read wrongly (or on the wrong side) shows."""
+    if not hasattr(transformers, "Inkling2TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Inkling 2")
+    cfg = transformers.Inkling2TextConfig(**COMMON | dict(num_key_value_heads=4), unpadded_vocab_size=64, head_dim=8,
+                                          sliding_window_size=8, layer_types=["hybrid_sliding"] * LAYERS,
+                                          moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                                          mlp_gate_softcap=0.05, mlp_up_softcap=0.08)
+    torch.manual_seed(0)
+    model = transformers.Inkling2ForCausalLM(cfg).float()
+    model.set_experts_implementation(impl)
+    assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
+    assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == [
+        "activation swiglu_softcap(gate=0.05,up=0.08)"] * LAYERS
+
+
 def test_mixtral_through_inductor_recompute():
     model = build("mixtral", "grouped_mm", torch.float32)
     got = run_eager_and_compiled(model, (_tokens(),), options={"checkpoint": "recompute"})

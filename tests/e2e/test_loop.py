@@ -158,7 +158,7 @@ moeblaze: 1 of 1 MoE candidate(s) rewritten
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
   [0] skipped   tests/e2e/test_loop.py:49  per-expert loop [one_hot+where+index_add]
-      reason: no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: relu, silu""")
+      reason: no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: relu, silu""")
 
 
 def test_zero_expert_weights_prove_nothing():

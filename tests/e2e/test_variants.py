@@ -148,6 +148,11 @@ class ShapedActivationMoE(nn.Module):
         "infinite_clamps": lambda g, u: F.silu(g).clamp(max=float("inf")) * u.clamp(-float("inf"), float("inf")),
         # a tanh soft-cap of the gate, the identity to 1e-4 at these inputs
         "softcapped_swiglu": lambda g, u: F.silu(30.0 * torch.tanh(g / 30.0)) * u,
+        # Inkling 2's soft-capped SwiGLU (gate cap 4, up cap 25, in float32 as its code): swiglu_softcap
+        "inkling2": lambda g, u: ((torch.tanh(g.float() / 4.0) * 4.0) * torch.sigmoid(g.float())
+                                  * (torch.tanh(u.float() / 25.0) * 25.0)).to(g.dtype),
+        # the same written with products by the caps' reciprocals, caps swapped (gate 25, up 4)
+        "inkling2_swapped": lambda g, u: (torch.tanh(g * 0.04) * 25.0) * torch.sigmoid(g) * (torch.tanh(u * 0.25) * 4.0),
         # Gemma 4's gelu_pytorch_tanh experts (within 4e-5 of exact GeGLU): geglu_tanh
         "tanh_geglu": lambda g, u: F.gelu(g, approximate="tanh") * u,
         # the tanh GELU on the gate and the exact one on the up: neither GeGLU
@@ -179,8 +184,21 @@ def test_an_activation_shaped_by_other_functions_is_left_alone(act, called):
     torch.manual_seed(0)
     assert run_eager_and_compiled(ShapedActivationMoE(act), (_x(),)) == {"skipped": 1}
     assert moeblaze_fx.last_report()[0].reason == (
-        "no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, SiLU, GELU, "
-        f"ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: {called}")
+        "no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, Inkling 2's "
+        "soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what the experts call: "
+        f"{called}")
+
+
+@pytest.mark.parametrize("act,spec", [("inkling2", "swiglu_softcap(gate=4.0,up=25.0)"),
+                                      ("inkling2_swapped", "swiglu_softcap(gate=25.0,up=4.0)")])
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_softcapped_swiglu_is_rewritten_and_matches_eager(act, spec, scale):
+    """Inkling 2's soft-capped SwiGLU, rewritten with its two caps each on its side (the proof tells the gate's cap
+    from the up's); tokens scaled by 20 put the pre-activations where the soft-caps bend."""
+    torch.manual_seed(0)
+    x = (_x() * scale).detach().requires_grad_()
+    assert run_eager_and_compiled(ShapedActivationMoE(act), (x,)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith(f"activation {spec}")
 
 
 @pytest.mark.parametrize("scale", [1.0, 6.0])

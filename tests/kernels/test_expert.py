@@ -31,9 +31,9 @@ from moeblaze_fx.kernels.tables import ExpertTables, WeightTable, table_of, tabl
 
 POLICIES = ("activations", "recompute")
 # limit 0.6: with unit-variance pre-activations both clamps of swiglu_oai and swiglu_clamp are active on many
-# elements
+# elements; caps 0.5 and 0.8: the soft-caps bend there
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai(alpha=1.702,limit=0.6)", "swiglu_clamp(limit=0.6)",
-               "silu", "gelu", "gelu_tanh", "relu", "relu2")
+               "swiglu_softcap(gate=0.5,up=0.8)", "silu", "gelu", "gelu_tanh", "relu", "relu2")
 
 # ---------------------------------------------------------------------------------------------
 # Weight layouts: how a model stores its experts, and the [E, r, c] views (or lists of E [r, c]
@@ -797,6 +797,7 @@ CUDA_CASES = [
     (600, 192, 256, 8, 2, "random", "relu", True, "list", "plain activation, ModuleList experts"),
     (600, 192, 256, 8, 2, "random", "relu2", False, "dense", "Nemotron-H's squared ReLU"),
     (600, 256, 256, 8, 2, "random", "geglu_tanh", False, "hf_fused", "Gemma 4's tanh GeGLU, the Gluon up and dh"),
+    (600, 256, 256, 8, 2, "random", "swiglu_softcap(gate=0.5,up=0.8)", False, "hf_fused", "Inkling 2's soft-caps"),
     (600, 192, 256, 8, 2, "random", "gelu_tanh", True, "list", "the plain tanh GELU"),
     (1, 64, 64, 3, 2, "random", "swiglu", False, "dense", "T = 1"),
     (900, 256, 512, 8, 1, "random", "swiglu", False, "hf_fused", "top-1 (K = 1) on the sm_90 paths"),

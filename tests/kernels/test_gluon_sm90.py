@@ -137,6 +137,7 @@ def test_gather_usable_needs_a_swiglu_unbiased_and_aligned_rows():
     assert gather_sm90.up_usable(x, hid, pre, "swiglu_clamp", False, 128)  # SwiGLU's clamped forms
     assert gather_sm90.up_usable(x, hid, pre, "swiglu_oai", False, 128)
     assert gather_sm90.up_usable(x, hid, pre, "geglu_tanh", False, 128)  # Gemma 4's
+    assert gather_sm90.up_usable(x, hid, pre, "swiglu_softcap", False, 128)  # Inkling 2's
     assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # erf: the Triton kernel
     assert not gather_sm90.up_usable(x, hid, pre, "relu2", False, 128)
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
@@ -298,8 +299,8 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ("activations", "recompute"))
-@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)", "geglu_tanh"],
-                         ids=lambda a: a.split("(")[0])
+@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)", "geglu_tanh",
+                                 "swiglu_softcap(gate=0.5,up=0.8)"], ids=lambda a: a.split("(")[0])
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,window_slots", [
     (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, 500),  # windows
     (700, 512, 192, 4, 2, "one_expert", "dense", torch.float16, 0),  # columns past h, h % 64 != 0
@@ -307,8 +308,8 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
 def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
                                                            window_slots, act, policy):
     # The up kernel and the fused dh with the clamped SwiGLUs (DeepSeek-V4's, gpt-oss's), limit 0.6: both clamps
-    # act on many of the unit-variance pre-activations; and with Gemma 4's tanh GeGLU. The Triton kernels give the
-    # same results bitwise.
+    # act on many of the unit-variance pre-activations; with Gemma 4's tanh GeGLU and Inkling 2's soft-caps (caps
+    # 0.5 and 0.8, where they bend). The Triton kernels give the same results bitwise.
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 17)

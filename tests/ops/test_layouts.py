@@ -11,7 +11,8 @@ from moeblaze_fx.ops import RoleView, encode_layout, moe_ffn
 
 T, d, h, E, K = 23, 8, 6, 4, 2
 SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=1.702,limit=0.7)",
-                                                "swiglu_clamp": "swiglu_clamp(limit=0.7)"}
+                                                "swiglu_clamp": "swiglu_clamp(limit=0.7)",
+                                                "swiglu_softcap": "swiglu_softcap(gate=0.5,up=0.8)"}
 
 
 def _rand(*shape, g):
@@ -162,6 +163,7 @@ def test_bad_layout_is_a_clear_error(layout, activation, message):
     ("relu2", ("relu2", 1.0, 0.0)),
     ("geglu_tanh", ("geglu_tanh", 1.0, 0.0)),
     ("gelu_tanh", ("gelu_tanh", 1.0, 0.0)),
+    ("swiglu_softcap(gate=4.0,up=25.0)", ("swiglu_softcap", 4.0, 25.0)),
 ])
 def test_activation_specs_round_trip(spec, want):
     act = parse_activation(spec)
@@ -173,10 +175,13 @@ def test_activation_specs_round_trip(spec, want):
     ("swiglu_clamp(alpha=1.0,limit=2.0)", "unknown activation"),  # no alpha
     ("relu2(limit=1.0)", "unknown activation"),
     ("gelu(approximate='tanh')", "supported: ('swiglu', 'geglu', 'geglu_tanh', 'silu', 'gelu', 'gelu_tanh', 'relu', "
-                                 "'relu2')"),
-    ("swiglu_clamp(limit=0)", "swiglu_clamp needs a finite alpha and a finite limit > 0"),
-    ("swiglu_clamp(limit=inf)", "finite limit"),
-    ("swiglu_clamp(limit=ten)", "finite limit"),
+                                 "'relu2') and 'swiglu_oai(alpha=A,limit=L)', 'swiglu_clamp(limit=L)', "
+                                 "'swiglu_softcap(gate=G,up=U)'"),
+    ("swiglu_softcap(up=25.0,gate=4.0)", "unknown activation"),  # the parameters in their order
+    ("swiglu_softcap(gate=-4.0,up=25.0)", "swiglu_softcap needs finite parameters, gate and up > 0"),
+    ("swiglu_clamp(limit=0)", "swiglu_clamp needs finite parameters, limit > 0"),
+    ("swiglu_clamp(limit=inf)", "finite parameters"),
+    ("swiglu_clamp(limit=ten)", "finite parameters"),
 ])
 def test_bad_activation_specs(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
