@@ -7,9 +7,9 @@ A *pair* p = t*K + k is one entry of ``ids``; a *slot* is its row in the expert-
 Expert weights are read only through per-expert pointer tables (:class:`~moeblaze_fx.kernels.tables.WeightTable`):
 each program loads ``ptrs[e]`` once and indexes the matrix with the table's two strides, so a fused
 ``[E, 2h, d]`` parameter, its transposed or interleaved views and E separate ``nn.Linear`` weights are all
-read in place. The activation is a constexpr (``ACT``): gated ones (swiglu, geglu, geglu_tanh, swiglu_oai,
-swiglu_clamp, swiglu_softcap) have a gate and an up projection, plain ones (silu, gelu, gelu_tanh, relu, relu2) only the gate
-projection.
+read in place. The activation is a constexpr (``ACT``, its arithmetic in :mod:`.act`): gated ones (swiglu, geglu,
+geglu_tanh, swiglu_oai, swiglu_clamp, swiglu_softcap) have a gate and an up projection, plain ones (silu, gelu,
+gelu_tanh, relu, relu2) only the gate projection.
 
 Data flow (three launches)::
 
@@ -74,6 +74,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import autotune, down_sm90, gather_sm90
+from .act import ACT_CODES, _act_backward, _act_forward  # noqa: F401  (expert_bwd imports _act_backward from here)
 from .autotune import plan_block_m
 from .launch import launch
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
@@ -83,21 +84,6 @@ __all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align
            "slot_windows", "num_slot_windows"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# The ACT constexpr of the kernels (the GATED constexpr says whether there is an up projection).
-ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6,
-             "relu2": 7, "geglu_tanh": 8, "gelu_tanh": 9, "swiglu_softcap": 10}
-_SWIGLU = tl.constexpr(0)
-_GEGLU = tl.constexpr(1)
-_SWIGLU_OAI = tl.constexpr(2)
-_SILU = tl.constexpr(3)
-_GELU = tl.constexpr(4)
-_RELU = tl.constexpr(5)
-_SWIGLU_CLAMP = tl.constexpr(6)
-_RELU2 = tl.constexpr(7)
-_GEGLU_TANH = tl.constexpr(8)
-_GELU_TANH = tl.constexpr(9)
-_SWIGLU_SOFTCAP = tl.constexpr(10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,162 +160,6 @@ def _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
     first = tl.maximum(start, slot0)
     e = tl.where(inside & (e >= 0) & (first < end), e, -1)
     return e, start, first, end
-
-
-@triton.jit
-def _gelu(v):
-    """erf GELU (torch's default ``F.gelu``), fp32."""
-    return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
-
-
-@triton.jit
-def _gelu_grad(v):
-    cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
-    return cdf + v * tl.exp(-0.5 * v * v) * 0.3989422804014327
-
-
-@triton.jit
-def _gelu_tanh(v):
-    """tanh-approximated GELU (``F.gelu(v, approximate="tanh")``), fp32, written as 0.5 v (1 + tanh(u)) = v *
-    sigmoid(2u), u = sqrt(2/pi) (v + 0.044715 v^3): no cancellation in 1 + tanh(u) for negative v."""
-    return v * tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
-
-
-@triton.jit
-def _gelu_tanh_grad(v):
-    """d/dv of :func:`_gelu_tanh`: s + 2 v s (1 - s) u', s = sigmoid(2u), u' = sqrt(2/pi) (1 + 3 * 0.044715 v^2)."""
-    s = tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
-    return s + v * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 0.134145 * v * v))
-
-
-@triton.jit
-def _tanh(v):
-    """tanh in fp32 from exp (Triton's core has no tanh, and the interpreter runs no libdevice): (1 - e) / (1 + e),
-    e = exp(-2|v|), and below |v| = 0.1, where 1 - e cancels, the odd Taylor series to v^7 (relative error under
-    1e-9 there). NaN stays NaN."""
-    m = tl.abs(v)
-    e = tl.exp(-2.0 * m)
-    v2 = v * v
-    small = m * (1.0 + v2 * (-0.3333333333333333 + v2 * (0.13333333333333333 + v2 * -0.05396825396825397)))
-    t = tl.where(m < 0.1, small, (1.0 - e) / (1.0 + e))
-    return tl.where(v < 0.0, -t, t)
-
-
-@triton.jit
-def _clamp_max(v, limit):
-    """``torch.clamp(v, max=limit)``: a NaN stays NaN (the GPU's plain minimum would return the limit, and hide it)."""
-    return tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _clamp(v, limit):
-    """``torch.clamp(v, -limit, limit)``, NaN kept as in :func:`_clamp_max`."""
-    return _clamp_max(tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit)
-
-
-@triton.jit
-def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
-    """H from the fp32 pre-activations: gate ``a`` and (gated activations) up ``b``."""
-    if ACT == _SWIGLU:
-        hid = a * tl.sigmoid(a) * b
-    elif ACT == _GEGLU:
-        hid = _gelu(a) * b
-    elif ACT == _GEGLU_TANH:
-        hid = _gelu_tanh(a) * b
-    elif ACT == _SWIGLU_OAI:
-        g = _clamp_max(a, limit)
-        u = _clamp(b, limit)
-        hid = (u + 1.0) * (g * tl.sigmoid(alpha * g))
-    elif ACT == _SWIGLU_CLAMP:
-        g = _clamp_max(a, limit)
-        hid = g * tl.sigmoid(g) * _clamp(b, limit)
-    elif ACT == _SWIGLU_SOFTCAP:  # alpha: the gate's cap, limit: the up's
-        hid = (_tanh(a / alpha) * alpha) * tl.sigmoid(a) * (_tanh(b / limit) * limit)
-    elif ACT == _SILU:
-        hid = a * tl.sigmoid(a)
-    elif ACT == _GELU:
-        hid = _gelu(a)
-    elif ACT == _GELU_TANH:
-        hid = _gelu_tanh(a)
-    elif ACT == _RELU2:
-        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        hid = r * r
-    else:
-        tl.static_assert(ACT == _RELU)
-        hid = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # F.relu keeps NaN
-    return hid
-
-
-@triton.jit
-def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
-    """(H, dL/da, dL/db) from the fp32 pre-activations and dL/dH, recomputing what the forward computed.
-    Clamps pass the gradient inside the closed interval (as ``torch.clamp``). dL/db is ``d_a`` again for
-    plain activations (never used)."""
-    if ACT == _SWIGLU:
-        sig = tl.sigmoid(a)
-        silu = a * sig
-        hid = silu * b
-        d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
-        d_b = d_hid * silu
-    elif ACT == _GEGLU:
-        gelu = _gelu(a)
-        hid = gelu * b
-        d_a = d_hid * b * _gelu_grad(a)
-        d_b = d_hid * gelu
-    elif ACT == _GEGLU_TANH:
-        gelu = _gelu_tanh(a)
-        hid = gelu * b
-        d_a = d_hid * b * _gelu_tanh_grad(a)
-        d_b = d_hid * gelu
-    elif ACT == _SWIGLU_OAI:
-        g = _clamp_max(a, limit)
-        sig = tl.sigmoid(alpha * g)
-        glu = g * sig
-        u1 = _clamp(b, limit) + 1.0
-        hid = u1 * glu
-        d_a = tl.where(a <= limit, d_hid, 0.0) * u1 * (sig + alpha * glu * (1.0 - sig))
-        d_b = tl.where(tl.abs(b) <= limit, d_hid, 0.0) * glu
-    elif ACT == _SWIGLU_CLAMP:
-        g = _clamp_max(a, limit)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        u = _clamp(b, limit)
-        hid = silu * u
-        d_a = tl.where(a <= limit, d_hid, 0.0) * u * (sig * (1.0 + g * (1.0 - sig)))
-        d_b = tl.where(tl.abs(b) <= limit, d_hid, 0.0) * silu
-    elif ACT == _SWIGLU_SOFTCAP:
-        tg = _tanh(a / alpha)
-        tu = _tanh(b / limit)
-        sig = tl.sigmoid(a)
-        gate = (tg * alpha) * sig
-        up = tu * limit
-        hid = gate * up
-        d_a = d_hid * up * ((1.0 - tg * tg) * sig + (tg * alpha) * sig * (1.0 - sig))
-        d_b = d_hid * gate * (1.0 - tu * tu)
-    elif ACT == _SILU:
-        sig = tl.sigmoid(a)
-        hid = a * sig
-        d_a = d_hid * (sig * (1.0 + a * (1.0 - sig)))
-        d_b = d_a
-    elif ACT == _GELU:
-        hid = _gelu(a)
-        d_a = d_hid * _gelu_grad(a)
-        d_b = d_a
-    elif ACT == _GELU_TANH:
-        hid = _gelu_tanh(a)
-        d_a = d_hid * _gelu_tanh_grad(a)
-        d_b = d_a
-    elif ACT == _RELU2:
-        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        hid = r * r
-        d_a = d_hid * 2.0 * r
-        d_b = d_a
-    else:
-        tl.static_assert(ACT == _RELU)
-        hid = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # F.relu keeps NaN
-        d_a = tl.where(a > 0.0, d_hid, 0.0)
-        d_b = d_a
-    return hid, d_a, d_b
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ Both multiply rows gathered through the token index by one expert's weights, til
 tiles (the plan's 128-slot tiles):
 
 * the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
-  its clamped and soft-capped forms and the tanh GeGLU, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded to x's dtype; the epilogue stores
-  A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed from the rounded values;
+  its clamped and soft-capped forms and the tanh GeGLU, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded
+  to x's dtype; the epilogue stores A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed
+  from the rounded values;
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
 * the same GEMM with the activation's backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``,
@@ -18,10 +19,10 @@ tiles (the plan's 128-slot tiles):
   / 1.09, D 1.15 / 1.42, A 9.3 / 11.1.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
-contraction steps, the same activation arithmetic), so the results are bitwise equal; the cuda tests compare them.
-One exception: the fused dh sums each row's 64 products of <dH', H> in its own layout's order, which can round
-differently from the Triton epilogue's where h % 64 != 0 (that kernel then loads through wrapped columns, and Triton
-lays its tile out otherwise).
+contraction steps, the activation functions of :mod:`.act` themselves), so the results are bitwise equal; the cuda
+tests compare them. One exception: the fused dh sums each row's 64 products of <dH', H> in its own layout's order,
+which can round differently from the Triton epilogue's where h % 64 != 0 (that kernel then loads through wrapped
+columns, and Triton lays its tile out otherwise).
 
 One program per SM walks the output tiles in the Triton kernels' grouped order (``down_sm90._tile``):
 
@@ -51,12 +52,12 @@ from typing import NamedTuple
 
 import torch
 
+from . import act as act_math
 from . import down_sm90, dw_sm90
 from .launch import launch
 from .down_sm90 import _GLUON
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
-    import triton.language as tl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     from .down_sm90 import (
@@ -87,19 +88,15 @@ GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
-# The activations the up kernel's and the fused dh's epilogues implement, and their ACT constexpr: the gated ones
-# whose arithmetic is a few elementwise operations (GEGLU's erf and the plain activations take the Triton kernels).
-ACTIVATIONS = {"swiglu": 0, "swiglu_clamp": 1, "swiglu_oai": 2, "geglu_tanh": 3, "swiglu_softcap": 4}
+# The activations the up kernel's and the fused dh's epilogues take: the gated ones whose arithmetic is a few
+# elementwise operations (GEGLU's erf and the plain activations take the Triton kernels). The epilogues call the
+# Triton kernels' own functions (``act._act_forward``, ``act._act_backward``) with their ACT code.
+ACTIVATIONS = frozenset({"swiglu", "swiglu_clamp", "swiglu_oai", "geglu_tanh", "swiglu_softcap"})
 
 
 if _GLUON:
     BM: gl.constexpr = gl.constexpr(BLOCK_M)
     BK: gl.constexpr = gl.constexpr(BLOCK_K)
-    _SWIGLU: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu"])
-    _SWIGLU_CLAMP: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_clamp"])
-    _SWIGLU_OAI: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_oai"])
-    _GEGLU_TANH: gl.constexpr = gl.constexpr(ACTIVATIONS["geglu_tanh"])
-    _SWIGLU_SOFTCAP: gl.constexpr = gl.constexpr(ACTIVATIONS["swiglu_softcap"])
 
     @gluon.jit
     def _load_b(desc, e_rows, e, n0, k, bar, buf, B_KMAJOR: gl.constexpr):
@@ -183,105 +180,6 @@ if _GLUON:
         return rows, cols
 
     @gluon.jit
-    def _sigmoid(v):
-        """``tl.sigmoid``'s arithmetic: 1 / (1 + exp(-v))."""
-        return 1 / (1 + gl.exp(-v))
-
-    @gluon.jit
-    def _clamp_max(v, limit):
-        """``torch.clamp(v, max=limit)`` keeping NaN, as ``expert_fwd._clamp_max``."""
-        return gl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
-
-    @gluon.jit
-    def _clamp(v, limit):
-        """``torch.clamp(v, -limit, limit)`` keeping NaN, as ``expert_fwd._clamp``."""
-        return _clamp_max(gl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit)
-
-    @gluon.jit
-    def _gelu_tanh(v):
-        """``expert_fwd._gelu_tanh``: the tanh-approximated GELU as v * sigmoid(2u)."""
-        return v * _sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
-
-    @gluon.jit
-    def _gelu_tanh_grad(v):
-        """``expert_fwd._gelu_tanh_grad``."""
-        s = _sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
-        return s + v * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 0.134145 * v * v))
-
-    @gluon.jit
-    def _tanh(v):
-        """``expert_fwd._tanh``."""
-        m = gl.abs(v)
-        e = gl.exp(-2.0 * m)
-        v2 = v * v
-        small = m * (1.0 + v2 * (-0.3333333333333333 + v2 * (0.13333333333333333 + v2 * -0.05396825396825397)))
-        t = gl.where(m < 0.1, small, (1.0 - e) / (1.0 + e))
-        return gl.where(v < 0.0, -t, t)
-
-    @gluon.jit
-    def _act_forward(a, b, alpha, limit, ACT: gl.constexpr):
-        """H in fp32 from the rounded A and B, with the arithmetic of ``expert_fwd._act_forward`` (so bitwise its
-        result); ``ACT``: a value of :data:`ACTIVATIONS`."""
-        a = a.to(gl.float32)
-        b = b.to(gl.float32)
-        if ACT == _SWIGLU:
-            hid = a * _sigmoid(a) * b
-        elif ACT == _SWIGLU_CLAMP:
-            g = _clamp_max(a, limit)
-            hid = g * _sigmoid(g) * _clamp(b, limit)
-        elif ACT == _GEGLU_TANH:
-            hid = _gelu_tanh(a) * b
-        elif ACT == _SWIGLU_SOFTCAP:
-            hid = (_tanh(a / alpha) * alpha) * _sigmoid(a) * (_tanh(b / limit) * limit)
-        else:
-            gl.static_assert(ACT == _SWIGLU_OAI)
-            g = _clamp_max(a, limit)
-            hid = (_clamp(b, limit) + 1.0) * (g * _sigmoid(alpha * g))
-        return hid
-
-    @gluon.jit
-    def _act_backward(a, b, d_hid, alpha, limit, ACT: gl.constexpr):
-        """(H, dL/dA, dL/dB) in fp32 from A, B and dL/dH, with the arithmetic of ``expert_fwd._act_backward``."""
-        if ACT == _SWIGLU:
-            sig = _sigmoid(a)
-            silu = a * sig
-            hid = silu * b
-            d_a = d_hid * b * (sig * (1.0 + a * (1.0 - sig)))
-            d_b = d_hid * silu
-        elif ACT == _SWIGLU_CLAMP:
-            g = _clamp_max(a, limit)
-            sig = _sigmoid(g)
-            silu = g * sig
-            u = _clamp(b, limit)
-            hid = silu * u
-            d_a = gl.where(a <= limit, d_hid, 0.0) * u * (sig * (1.0 + g * (1.0 - sig)))
-            d_b = gl.where(gl.abs(b) <= limit, d_hid, 0.0) * silu
-        elif ACT == _GEGLU_TANH:
-            gelu = _gelu_tanh(a)
-            hid = gelu * b
-            d_a = d_hid * b * _gelu_tanh_grad(a)
-            d_b = d_hid * gelu
-        elif ACT == _SWIGLU_SOFTCAP:
-            tg = _tanh(a / alpha)
-            tu = _tanh(b / limit)
-            sig = _sigmoid(a)
-            gate = (tg * alpha) * sig
-            up = tu * limit
-            hid = gate * up
-            d_a = d_hid * up * ((1.0 - tg * tg) * sig + (tg * alpha) * sig * (1.0 - sig))
-            d_b = d_hid * gate * (1.0 - tu * tu)
-        else:
-            gl.static_assert(ACT == _SWIGLU_OAI)
-            g = _clamp_max(a, limit)
-            sig = _sigmoid(alpha * g)
-            glu = g * sig
-            u1 = _clamp(b, limit) + 1.0
-            hid = u1 * glu
-            d_a = gl.where(a <= limit, d_hid, 0.0) * u1 * (sig + alpha * glu * (1.0 - sig))
-            d_b = gl.where(gl.abs(b) <= limit, d_hid, 0.0) * glu
-        return hid, d_a, d_b
-
-    @gluon.jit
     def _dh_act_weights(epi, start, r0, first, end, K: gl.constexpr, RB: gl.constexpr, wl: gl.constexpr):
         """The routing weights (fp32) of rows [r0, r0 + RB) of the tile starting at slot ``start``, rows clamped into
         [first, end), read through the token index."""
@@ -323,7 +221,7 @@ if _GLUON:
         a = ab_smem.index(2 * p).load(st).to(gl.float32)
         b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
         d_hid = dh * wt[:, None]
-        hid, d_a, d_b = _act_backward(a, b, d_hid, epi[10], epi[11], ACT)
+        hid, d_a, d_b = act_math._act_backward(a, b, d_hid, epi[10], epi[11], ACT)
         part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
         mask = row_ok[:, None] & col_ok[None, :]
         local = (rows - slot0).to(gl.int64)[:, None]
@@ -353,7 +251,7 @@ if _GLUON:
     @gluon.jit
     def _up_h_run(blocks, c0_ptr, stride_c0, done, target, start, first, end, n0, slot0, n_dim, alpha, limit,
                   NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
-        """H (:func:`_act_forward`, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
+        """H (``act._act_forward``, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
         RB rows x 64 columns of H: A and B read back rounded from the tile in shared memory (``blocks``: A's column
         blocks, then B's), H stored through pointers (rows in [first, end), columns below ``n_dim``); returns the
         blocks done."""
@@ -361,8 +259,9 @@ if _GLUON:
         dtype: gl.constexpr = blocks.dtype
         while done < target:
             rows, cols = _block_at(done, start, n0, NR, RB, st)
-            hid = _act_forward(blocks.index(done).load(st), blocks.index(done + NH).load(st), alpha, limit,
-                               ACT).to(dtype)
+            a = blocks.index(done).load(st).to(gl.float32)
+            b = blocks.index(done + NH).load(st).to(gl.float32)
+            hid = act_math._act_forward(a, b, alpha, limit, ACT).to(dtype)
             mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
             gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)
             done += 1
@@ -476,7 +375,8 @@ if _GLUON:
                     done = gl.to_tensor(0)
                 elif SWIGLU:
                     st: gl.constexpr = _st_layout(BNH)
-                    hid = _act_forward(a_smem.load(st), b_smem.load(st), epi[10], epi[11], ACT).to(dtype)
+                    hid = act_math._act_forward(a_smem.load(st).to(gl.float32), b_smem.load(st).to(gl.float32),
+                                                epi[10], epi[11], ACT).to(dtype)
                     tma.store_wait(0)  # A|B's stores have read a_smem
                     a_smem.store(hid)
                     fence_async_shared()
@@ -508,7 +408,7 @@ if _GLUON:
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
         UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop
-        ACT: gl.constexpr,  # SWIGLU or ACT_EPI: the activation, a value of ACTIVATIONS
+        ACT: gl.constexpr,  # SWIGLU or ACT_EPI: the activation's code (act.ACT_CODES), one of ACTIVATIONS
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -695,7 +595,8 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         plan.offsets, window.num_tiles, num_n, plan.tile_expert.numel(), window.slot0, window.slot1, k_dim, n_dim, K,
         a.stride(0), *w.e_rows, c0.stride(0), c1.stride(0), pre, dpre, part, weights, *epi_strides,
         float(act.alpha) if act is not None else 1.0, float(act.limit) if act is not None else 0.0,
-        ACT=ACTIVATIONS[act.name] if act is not None else 0, SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
+        ACT=act_math.ACT_CODES[act.name] if act is not None else 0,
+        SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
         A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
         B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, **constexprs,
         num_warps=8,

@@ -152,7 +152,8 @@ class ShapedActivationMoE(nn.Module):
         "inkling2": lambda g, u: ((torch.tanh(g.float() / 4.0) * 4.0) * torch.sigmoid(g.float())
                                   * (torch.tanh(u.float() / 25.0) * 25.0)).to(g.dtype),
         # the same written with products by the caps' reciprocals, caps swapped (gate 25, up 4)
-        "inkling2_swapped": lambda g, u: (torch.tanh(g * 0.04) * 25.0) * torch.sigmoid(g) * (torch.tanh(u * 0.25) * 4.0),
+        "inkling2_swapped": lambda g, u: ((torch.tanh(g * 0.04) * 25.0) * torch.sigmoid(g)
+                                          * (torch.tanh(u * 0.25) * 4.0)),
         # Gemma 4's gelu_pytorch_tanh experts (within 4e-5 of exact GeGLU): geglu_tanh
         "tanh_geglu": lambda g, u: F.gelu(g, approximate="tanh") * u,
         # the tanh GELU on the gate and the exact one on the up: neither GeGLU
