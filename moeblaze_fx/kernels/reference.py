@@ -127,7 +127,6 @@ ACTIVATIONS = GATED_ACTIVATIONS + PLAIN_ACTIVATIONS
 # The activations with parameters: the names their spec gives them, in order, and the Activation field each fills.
 PARAMETERS = {"swiglu_oai": (("alpha", "alpha"), ("limit", "limit")), "swiglu_clamp": (("limit", "limit"),),
               "swiglu_softcap": (("gate", "alpha"), ("up", "limit"))}
-CLAMPED_ACTIVATIONS = ("swiglu_oai", "swiglu_clamp")  # those with a limit
 _SPEC = re.compile(r"^(\w+)(?:\(([^()]*)\))?$")
 
 

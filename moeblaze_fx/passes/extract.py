@@ -425,8 +425,7 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
                 "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
-                f"the experts call: "
-                f"{', '.join(called) or 'no activation function'}")
+                f"the experts call: {', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
     if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
         return "the expert weights and the tokens have different dtypes"
