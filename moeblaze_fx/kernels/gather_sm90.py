@@ -5,7 +5,7 @@ Both multiply rows gathered through the token index by one expert's weights, til
 tiles (the plan's 128-slot tiles):
 
 * the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
-  its clamped and soft-capped forms and the tanh GeGLU, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded
+  its clamped and soft-capped forms and the GeGLUs, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded
   to x's dtype; the epilogue stores A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed
   from the rounded values;
 * the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
@@ -88,10 +88,10 @@ GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
-# The activations the up kernel's and the fused dh's epilogues take: the gated ones whose arithmetic is a few
-# elementwise operations (GEGLU's erf and the plain activations take the Triton kernels). The epilogues call the
-# Triton kernels' own functions (``act._act_forward``, ``act._act_backward``) with their ACT code.
-ACTIVATIONS = frozenset({"swiglu", "swiglu_clamp", "swiglu_oai", "geglu_tanh", "swiglu_softcap"})
+# The activations the up kernel's and the fused dh's epilogues take: the gated ones (the plain ones, without an up
+# projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act._act_forward``,
+# ``act._act_backward``) with their ACT code.
+ACTIVATIONS = frozenset({"swiglu", "geglu", "geglu_tanh", "swiglu_clamp", "swiglu_oai", "swiglu_softcap"})
 
 
 if _GLUON:

@@ -138,7 +138,8 @@ def test_gather_usable_needs_a_swiglu_unbiased_and_aligned_rows():
     assert gather_sm90.up_usable(x, hid, pre, "swiglu_oai", False, 128)
     assert gather_sm90.up_usable(x, hid, pre, "geglu_tanh", False, 128)  # Gemma 4's
     assert gather_sm90.up_usable(x, hid, pre, "swiglu_softcap", False, 128)  # Inkling 2's
-    assert not gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)  # erf: the Triton kernel
+    assert gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)
+    assert not gather_sm90.up_usable(x, hid, pre, "silu", False, 128)  # plain: no up projection
     assert not gather_sm90.up_usable(x, hid, pre, "relu2", False, 128)
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
     assert not gather_sm90.up_usable(x, hid, pre, "swiglu", False, 64)  # plan tiles of another height
@@ -162,7 +163,7 @@ def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows(monkeypatc
     assert usable(dy, hw, pre, dpre, wts, "swiglu_clamp", 64, 128)
     assert usable(dy, hw, pre, dpre, wts, "swiglu_oai", 64, 128)
     assert usable(dy, hw, pre, dpre, wts, "geglu_tanh", 64, 128)
-    assert not usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)
+    assert usable(dy, hw, pre, dpre, wts, "geglu", 64, 128)
     assert not usable(dy, hw, pre, dpre, wts, "silu", 64, 128)
     assert not usable(dy, hw, pre, dpre, wts, "swiglu", 32, 128)  # partials in other chunks
     assert not usable(dy, hw, pre, dpre, wts, "swiglu", 64, 64)  # plan tiles of another height
@@ -299,7 +300,7 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ("activations", "recompute"))
-@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)", "geglu_tanh",
+@pytest.mark.parametrize("act", ["swiglu_clamp(limit=0.6)", "swiglu_oai(alpha=1.702,limit=0.6)", "geglu_tanh", "geglu",
                                  "swiglu_softcap(gate=0.5,up=0.8)"], ids=lambda a: a.split("(")[0])
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,window_slots", [
     (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, 500),  # windows
@@ -308,8 +309,8 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
 def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
                                                            window_slots, act, policy):
     # The up kernel and the fused dh with the clamped SwiGLUs (DeepSeek-V4's, gpt-oss's), limit 0.6: both clamps
-    # act on many of the unit-variance pre-activations; with Gemma 4's tanh GeGLU and Inkling 2's soft-caps (caps
-    # 0.5 and 0.8, where they bend). The Triton kernels give the same results bitwise.
+    # act on many of the unit-variance pre-activations; with both GeGLUs and Inkling 2's soft-caps (caps 0.5 and
+    # 0.8, where they bend). The Triton kernels give the same results bitwise.
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 17)
