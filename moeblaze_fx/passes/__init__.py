@@ -247,12 +247,15 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             changed = True
 
     rewritten = 0
+    quiet: list[RegionRecord] = []  # records of candidates reported only if rewritten (Candidate.quiet)
     for cand in find_candidates(work, params):
         source = _source(*([cand.output] if cand.output is not None else []), cand.topk)
         record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
         if where:
             record.idiom = f"{record.idiom}, {where}"
         keyed.append((order[cand.topk], record))
+        if cand.quiet:
+            quiet.append(record)
         if cand.reason:
             record.reason = cand.reason
             continue
@@ -275,25 +278,27 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             if proof.layout is None:
                 record.reason = proof.reason
                 continue
-            layout, act = proof.layout, proof.activation
+            layout, act, routing = proof.layout, proof.activation, proof.routing
             grads = max(proof.gradient_errors.values(), default=0.0)
             what = "forward (traced without gradients)" if proof.forward_only else "forward and gradients"
             record.check = (f"numerical: {what} within rel. error "
                             f"{_order_of(max(proof.forward_error, grads)):.0e} of the operator")
         else:
-            layout = ext.layouts[0]
+            layout, routing = ext.layouts[0], ext.routings[0]
             act = next(a for a in ext.activations if a.gated == (layout.up is not None))
             ext.h = int(layout.down.view(ext.roles[layout.down.role], 0).cols)
             record.check = "shapes only (verify=False)"
         record.h = ext.h
-        record.layout = f"{layout.describe(ext.role_names)}; activation {act.spec}"
+        described = routing.describe()
+        record.layout = (f"{layout.describe(ext.role_names)}; {described + '; ' if described else ''}"
+                         f"activation {act.spec}")
         itemsize = torch.empty((), dtype=ext.dtype).element_size()
         t_hint = size_hint(ext.T)
         # traced with no gradient to compute: nothing is saved for a backward, so the forward need not write A|B
         with_grad = traced_with_gradients(cand)
         policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if with_grad else "recompute"
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
-        rewrite(work, cand, ext, layout, act.spec, policy, chunk)
+        rewrite(work, cand, ext, layout, act.spec, policy, chunk, routing)
         record.status, record.policy = "rewritten", policy
         x_val = example_value(ext.x)
         if with_grad:
@@ -301,13 +306,14 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
                 t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
                 example_value(ext.weights).element_size(), policy, act.gated, ext.E,
                 plan_block_m(x_val.device) if use_triton(x_val) else None,
-            )
+            ) + (t_hint * ext.d * itemsize if routing.on_input else 0)  # the weighted tokens the operator keeps
         else:  # neither graph saves anything (the proof's meter ran with gradients on)
             record.saved_bytes_before = record.saved_bytes_after = 0
         rewritten += 1
     if rewritten:
         work.graph.lint()
         work.recompile()
+    keyed = [(o, r) for o, r in keyed if not (r.status != "rewritten" and any(r is q for q in quiet))]
     return [r for _, r in sorted(keyed, key=lambda p: p[0])], changed or rewritten > 0
 
 

@@ -25,7 +25,7 @@ from .find import SHAPE_ONLY_NAMES, Candidate, example_value, same_size
 
 from .normalize import canonical_name, role
 
-__all__ = ["Extraction", "Role", "Layout", "extract"]
+__all__ = ["Extraction", "Role", "Layout", "Routing", "OUTPUT_WEIGHTED", "extract"]
 
 
 @dataclasses.dataclass
@@ -128,6 +128,30 @@ class Layout:
         return params, encode_layout(roles[self.gate.role].shape[0], views)
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How the region applies its combine weights ``w`` [T, K]: after ``fn`` (None, or ``"sigmoid"`` computed in
+    float32 and rounded back to w's dtype, as Llama 4's router does), to the experts' outputs (the operator's own
+    ``sum_k w_k f_k(x)``), or ``on_input`` to the tokens before the experts (Llama 4: ``f(w * x)``, top-1 only)."""
+
+    fn: Optional[str] = None
+    on_input: bool = False
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The operator's (x, weights) for the region's x [T, d] and w [T, K]."""
+        if self.fn == "sigmoid":
+            w = torch.sigmoid(w.float()).to(w.dtype)
+        return (x * w, torch.ones_like(w)) if self.on_input else (x, w)
+
+    def describe(self) -> str:
+        """How the report shows it ("" for the operator's own)."""
+        parts = ([f"{self.fn}(w)"] if self.fn else []) + (["weights on the tokens"] if self.on_input else [])
+        return ", ".join(parts)
+
+
+OUTPUT_WEIGHTED = Routing()
+
+
 @dataclasses.dataclass
 class Extraction:
     x: fx.Node
@@ -143,6 +167,18 @@ class Extraction:
     h: int  # -1 until proven when shapes alone leave it open
     E: int
     dtype: torch.dtype
+    # how the combine weights are applied: hypotheses for prove, the operator's own first
+    routings: list[Routing] = dataclasses.field(default_factory=lambda: [OUTPUT_WEIGHTED])
+
+
+def _routings(cand: Candidate, K: int) -> list[Routing]:
+    """Routing hypotheses: the operator's own, and at top-1 where the ids are scattered into a dense [T, E] map of
+    the weights (Llama 4's router scores, which multiply the tokens before every expert), the weights on the
+    tokens, raw or through a sigmoid (where the region calls one)."""
+    if K != 1 or not any(canonical_name(n) == "scatter" and cand.ids in n.all_input_nodes for n in cand.nodes):
+        return [OUTPUT_WEIGHTED]
+    fns = [None] + (["sigmoid"] if any(canonical_name(n) == "sigmoid" for n in cand.nodes) else [])
+    return [OUTPUT_WEIGHTED] + [Routing(fn, on_input=True) for fn in fns]
 
 
 def _families(params: list[fx.Node], name_of: dict[fx.Node, str]) -> dict[str, list[tuple[int, fx.Node]]] | str:
@@ -431,7 +467,8 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
         return "the expert weights and the tokens have different dtypes"
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
-        activations=activations[True] + activations[False], T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]), dtype=x_val.dtype,
+        activations=activations[True] + activations[False], T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
+        dtype=x_val.dtype, routings=_routings(cand, int(K)),
     )
 
 

@@ -62,6 +62,9 @@ class Candidate:
     inputs: list[fx.Node] = dataclasses.field(default_factory=list)  # external inputs, graph order
     asserts: list[fx.Node] = dataclasses.field(default_factory=list)  # runtime asserts guarding the body
     reason: Optional[str] = None  # why it cannot be a region, when it cannot
+    # the ids only feed a scatter into a dense map (Llama 4's router scores, but also top-k pooling or a sparse mask):
+    # an MoE only if it is proven one, and not reported otherwise
+    quiet: bool = False
 
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -237,7 +240,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         at_break = compiled_because is not None and compiled_because.graph_break and _leaves_graph(ids, True)
         if not at_break and order[topk] > last_product:
             continue  # no matrix product follows, here or after a break (a load-balancing loss's top-k): not an MoE
-        cand = Candidate(topk=topk, ids=ids)
+        cand = Candidate(topk=topk, ids=ids, quiet=all(canonical_name(u) == "scatter" for u in ids.users))
         candidates.append(cand)
         out, body = _combine_point(graph, ids, ipdom, order, asserts)
         if out is None:
@@ -259,6 +262,9 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             continue
         if any(role(n) == "attention" for n in body):
             candidates.remove(cand)  # a sparse-attention indexer's top-k (DeepSeek-V3.2): it selects keys, no experts
+            continue
+        if any(role(n) == "topk" for n in body):
+            candidates.remove(cand)  # group-limited routing's top-k of groups: it masks what the experts' top-k picks
             continue
         cand.output = out
         capacity = _capacity_bound(body)

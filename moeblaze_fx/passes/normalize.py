@@ -43,6 +43,7 @@ ROLE_OF: dict[str, str] = {
     "eq": "dispatch",  # ids == e, the per-expert mask of a loop
     "nonzero": "dispatch",
     "repeat_interleave": "dispatch",
+    "scatter": "dispatch",  # the ids scattered into a dense [T, E] map of the routing weights (Llama 4's scores)
     # expert matrix products
     "_grouped_mm": "grouped_mm",
     "grouped_mm": "grouped_mm",

@@ -14,6 +14,7 @@ its backward: the report's "before".
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Optional
 
 import torch
@@ -21,7 +22,7 @@ import torch.fx as fx
 
 from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
-from .extract import Extraction, Layout
+from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
 from .find import Candidate, example_value, size_hint
 
 __all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients"]
@@ -54,6 +55,7 @@ class Proof:
     # the graph was traced with no gradient to compute (under torch.no_grad, or nothing requires grad): Dynamo runs
     # it only so, and only the forward was compared
     forward_only: bool = False
+    routing: Routing = OUTPUT_WEIGHTED  # how the proven region applies its combine weights
 
 
 def region_module(gm: fx.GraphModule, cand: Candidate) -> fx.GraphModule:
@@ -125,10 +127,11 @@ def traced_with_gradients(cand: Candidate) -> bool:
     return bool(example_value(cand.output).requires_grad)
 
 
-def _beyond_limit(region, args, x_arg, x2d, ids2d, w2d, experts, act, T: int, d: int) -> float:
-    """Forward error between the region and the reference with the tokens scaled so that the largest gate or up
-    pre-activation is 4x the activation's clamp limit. At the check's plain inputs a limit of 7 (gpt-oss) is seldom
-    reached, and a limit read wrongly from the graph (another clamp's constant) would pass unseen."""
+def _beyond_limit(region, args, x_arg, x2d, reference, experts, act, T: int, d: int) -> float:
+    """Forward error between the region and ``reference`` (the operator's function of the tokens) with the tokens
+    scaled so that the largest gate or up pre-activation is 4x the activation's clamp limit. At the check's plain
+    inputs a limit of 7 (gpt-oss) is seldom reached, and a limit read wrongly from the graph (another clamp's
+    constant) would pass unseen."""
     with torch.no_grad():
         rows = x2d[:256].float()
         pre = max((rows @ w.float().reshape(-1, d).T).abs().amax().item()
@@ -138,7 +141,7 @@ def _beyond_limit(region, args, x_arg, x2d, ids2d, w2d, experts, act, T: int, d:
         scale = 4 * act.limit / pre
         scaled = [(a.detach() * scale) if a is x_arg else a for a in args]
         y_region = region(*scaled).reshape(T, d)
-        y_ref = moe_ffn_reference(x2d.detach() * scale, ids2d, w2d, experts, act)
+        y_ref = reference(x2d.detach() * scale)
         return _rel_error(y_region.to(y_ref.dtype), y_ref, y_ref)
 
 
@@ -195,52 +198,57 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     best: Optional[Proof] = None
     with torch.enable_grad():
         stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
-        for layout in ext.layouts:
+        for layout, act, routing in itertools.product(ext.layouts, ext.activations, ext.routings):
+            if act.gated != (layout.up is not None):
+                continue
             experts = layout.experts(stacked)
-            for act in ext.activations:
-                if act.gated != (layout.up is not None):
+
+            def reference(x, experts=experts, act=act, routing=routing):
+                """The operator's function of the tokens, under this hypothesis."""
+                xr, wr = routing.apply(x, w2d)
+                return moe_ffn_reference(xr, ids2d, wr, experts, act)
+
+            y_ref = reference(x2d)
+            if not bool(y_ref.detach().abs().amax() > 0):
+                return Proof(None, reason="the operator's output is zero on the check's inputs (zero expert "
+                                          "weights?): nothing would be proven", saved_bytes_before=saved_before)
+            err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
+            if err > tol:
+                if best is None or (best.forward_error or 1e9) > err:
+                    best = Proof(None, reason=f"the region's output differs from the MoE operator (relative "
+                                              f"error {err:.2g} > {tol:g} for every layout and activation tried)",
+                                 forward_error=err)
+                continue
+            if act.limit > 0:  # the clamp must be reached for its limit to be proven (see _beyond_limit)
+                beyond = _beyond_limit(region, args, by_node[ext.x], x2d, reference, experts, act, T, ext.d)
+                if beyond > tol:
+                    best = Proof(None, reason=f"the region's output differs from the MoE operator with "
+                                              f"{act.spec} once the pre-activations pass its limit (relative "
+                                              f"error {beyond:.2g} > {tol:g})", forward_error=beyond)
                     continue
-                y_ref = moe_ffn_reference(x2d, ids2d, w2d, experts, act)
-                if not bool(y_ref.detach().abs().amax() > 0):
-                    return Proof(None, reason="the operator's output is zero on the check's inputs (zero expert "
-                                              "weights?): nothing would be proven", saved_bytes_before=saved_before)
-                err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
-                if err > tol:
-                    if best is None or (best.forward_error or 1e9) > err:
-                        best = Proof(None, reason=f"the region's output differs from the MoE operator (relative "
-                                                  f"error {err:.2g} > {tol:g} for every layout and activation tried)",
-                                     forward_error=err)
-                    continue
-                if act.limit > 0:  # the clamp must be reached for its limit to be proven (see _beyond_limit)
-                    beyond = _beyond_limit(region, args, by_node[ext.x], x2d, ids2d, w2d, experts, act, T, ext.d)
-                    if beyond > tol:
-                        best = Proof(None, reason=f"the region's output differs from the MoE operator with "
-                                                  f"{act.spec} once the pre-activations pass its limit (relative "
-                                                  f"error {beyond:.2g} > {tol:g})", forward_error=beyond)
-                        continue
-                if forward_only:
-                    ext.h = int(experts.gate.shape[1])
-                    return Proof(layout, act, None, err, {}, saved_before, forward_only=True)
-                names = list(leaves)
-                g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
-                try:
-                    grads_region = torch.autograd.grad(
-                        y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
-                        retain_graph=True, allow_unused=True,
-                    )
-                except RuntimeError as exc:
-                    return Proof(None, reason=f"the region's output is not differentiable: {exc}", forward_error=err)
-                grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
-                errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
-                bad = {n: e for n, e in errors.items() if e > 2 * tol}
-                if bad:
-                    worst = max(bad, key=bad.get)
-                    best = Proof(None, reason=f"outputs agree but the gradient of {worst} differs (relative error "
-                                              f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err,
-                                 gradient_errors=errors)
-                    continue
+            if forward_only:
                 ext.h = int(experts.gate.shape[1])
-                return Proof(layout, act, None, err, errors, saved_before)
+                return Proof(layout, act, None, err, {}, saved_before, forward_only=True, routing=routing)
+            names = list(leaves)
+            g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
+            try:
+                grads_region = torch.autograd.grad(
+                    y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
+                    retain_graph=True, allow_unused=True,
+                )
+            except RuntimeError as exc:
+                return Proof(None, reason=f"the region's output is not differentiable: {exc}", forward_error=err)
+            grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
+            errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
+            bad = {n: e for n, e in errors.items() if e > 2 * tol}
+            if bad:
+                worst = max(bad, key=bad.get)
+                best = Proof(None, reason=f"outputs agree but the gradient of {worst} differs (relative error "
+                                          f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err,
+                             gradient_errors=errors)
+                continue
+            ext.h = int(experts.gate.shape[1])
+            return Proof(layout, act, None, err, errors, saved_before, routing=routing)
     if best is None:
         best = Proof(None, reason="no layout hypothesis had consistent shapes")
     best.saved_bytes_before = saved_before

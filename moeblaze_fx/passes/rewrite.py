@@ -1,6 +1,7 @@
 """Step 5: replace a proven region by one ``torch.ops.moeblaze.moe_ffn`` call.
 
-Inserted before the region's output: reshapes of x/ids/weights to 2-D, the operator (reading the
+Inserted before the region's output: reshapes of x/ids/weights to 2-D (and the proven routing's function of the
+weights, or their product with the tokens: ``extract.Routing``), the operator (reading the
 expert parameters in place: the layout ints say where each role lives, no stack or copy even for
 ``ModuleList`` experts), ``getitem 0``, and a reshape/cast back to the output's shape and dtype. Readers of the old output read the new one; the region's nodes and the runtime asserts
 that guarded its data-dependent sizes are erased. Every inserted node gets ``example_value`` from
@@ -13,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .extract import Extraction, Layout
+from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
 from .find import Candidate, example_value
 
 __all__ = ["rewrite"]
@@ -27,7 +28,7 @@ def _as_2d(node: fx.Node, cols: int, call) -> fx.Node:
 
 
 def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout, activation: str,
-            checkpoint: str, chunk_tokens: int) -> fx.Node:
+            checkpoint: str, chunk_tokens: int, routing: Routing = OUTPUT_WEIGHTED) -> fx.Node:
     graph = gm.graph
     y = cand.output
     y_val = example_value(y)
@@ -53,6 +54,10 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         x2d = _as_2d(ext.x, ext.d, call)
         ids2d = _as_2d(ext.ids, ext.K, call)
         w2d = _as_2d(ext.weights, ext.K, call)
+        if routing.fn == "sigmoid":  # as Routing.apply
+            w2d = call("to", call(torch.sigmoid, call("float", w2d)), example_value(w2d).dtype)
+        if routing.on_input:
+            x2d, w2d = call(operator.mul, x2d, w2d), call(torch.ones_like, w2d)
         params, layout_ints = layout.operator_args(ext.roles)
         op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, params, layout_ints, activation, checkpoint,
                   chunk_tokens)

@@ -170,6 +170,21 @@ def test_inkling2_softcapped_swiglu_is_rewritten(impl):
         "activation swiglu_softcap(gate=0.05,up=0.08)"] * LAYERS
 
 
+def test_llama4_weights_on_the_tokens_are_rewritten():
+    """Llama 4 runs every expert on every token scaled by its router score, sigmoid(top value) for the chosen expert
+    and 0 for the others: rewritten as the operator on the weighted tokens, the top-1 expert's only."""
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    cfg = transformers.Llama4TextConfig(**COMMON, head_dim=8, intermediate_size=24, intermediate_size_mlp=64,
+                                        num_local_experts=8, num_experts_per_tok=1, attention_chunk_size=16,
+                                        interleave_moe_layer_step=1)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(cfg).float()
+    assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
+    assert [r.layout.split("; ", 1)[1] for r in moeblaze_fx.last_report()] == [
+        "sigmoid(w), weights on the tokens; activation swiglu"] * LAYERS
+
+
 def test_mixtral_through_inductor_recompute():
     model = build("mixtral", "grouped_mm", torch.float32)
     got = run_eager_and_compiled(model, (_tokens(),), options={"checkpoint": "recompute"})

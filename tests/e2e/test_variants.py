@@ -404,6 +404,58 @@ moeblaze: 1 of 1 MoE candidate(s) rewritten
       layout: gate = gate_up_proj.T[0::2], up = gate_up_proj.T[1::2], down = down_proj.T, gate_bias = gate_up_proj_bias[0::2], up_bias = gate_up_proj_bias[1::2], down_bias = down_proj_bias; activation swiglu_oai(alpha=1.702,limit=0.9); check: numerical: forward and gradients within rel. error 1e-06 of the operator""")
 
 
+class DenseScoresMoE(nn.Module):
+    """Llama 4's MoE (transformers' Llama4TextMoe): the top-k values scattered into a dense [T, E] map (-inf
+    elsewhere), its sigmoid, every expert run on every token scaled by its column (0 for the experts not chosen),
+    the experts' outputs summed. With bias-free SwiGLU experts f(0) = 0, so this is sum_k f_{id_k}(w_k * x):
+    the weights on the tokens, not on the outputs. ``bias`` gives the experts a bias (f(0) != 0: the experts not
+    chosen then add to the output)."""
+
+    def __init__(self, d=16, h=12, E=4, K=1, sigmoid=True, bias=False):
+        super().__init__()
+        self.router = nn.Linear(d, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, d, 2 * h) / d**0.5)
+        self.down = nn.Parameter(torch.randn(E, h, d) / h**0.5)
+        self.gate_up_bias = nn.Parameter(0.1 * torch.randn(E, 2 * h)) if bias else None
+        self.E, self.K, self.sigmoid = E, K, sigmoid
+
+    def forward(self, x):
+        logits = self.router(x)
+        values, ids = torch.topk(logits, self.K, dim=1)
+        scores = torch.full_like(logits, float("-inf") if self.sigmoid else 0.0).scatter_(1, ids, values)
+        if self.sigmoid:
+            scores = torch.sigmoid(scores.float()).to(scores.dtype)
+        routed = x.repeat(self.E, 1) * scores.transpose(0, 1).reshape(-1, 1)
+        gate_up = torch.bmm(routed.view(self.E, -1, x.shape[-1]), self.gate_up)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[:, None, :]
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.down)
+        return out.view(self.E, -1, x.shape[-1]).sum(dim=0)
+
+
+@pytest.mark.parametrize("sigmoid,describe", [(True, "sigmoid(w), weights on the tokens"),  # Llama 4
+                                              (False, "weights on the tokens")], ids=["llama4", "raw"])
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_weights_on_the_tokens_are_rewritten_and_match_eager(sigmoid, describe, scale):
+    """Rewritten as the operator on the weighted tokens (x * w, unit combine weights); tokens scaled by 8 reach
+    where SiLU bends, so f(w * x) and w * f(x) differ by far more than the tolerance."""
+    torch.manual_seed(0)
+    x = (_x() * scale).detach().requires_grad_()
+    assert run_eager_and_compiled(DenseScoresMoE(sigmoid=sigmoid), (x,)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith(f"; {describe}; activation swiglu")
+
+
+@pytest.mark.parametrize("kwargs", [dict(K=2), dict(bias=True)], ids=["top2-on-tokens", "bias"])
+def test_dense_scores_that_are_no_moe_operator_are_left_alone(kwargs):
+    """Weights on the tokens with top-2 (each token would need its own scaled copy per expert: not done), and
+    experts with a bias, where the experts not chosen see zeros and still add f(0) to the output. A top-k whose ids
+    only feed a scatter is reported only when rewritten (top-k pooling spells the same way; test_loop.py)."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(DenseScoresMoE(**kwargs), (_x(),)) == {}
+    assert moeblaze_fx.last_report() == []
+
+
 @pytest.mark.cuda
 def test_tanh_geglu_bf16_step_on_cuda():
     """Gemma 4's tanh GeGLU through the operator's CUDA kernels under Inductor (d = 64: the Gluon up kernel and
@@ -413,3 +465,15 @@ def test_tanh_geglu_bf16_step_on_cuda():
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda().requires_grad_()
     assert run_eager_and_compiled(model, (x,), dtype=torch.bfloat16) == {"rewritten": 1}
     assert moeblaze_fx.last_report()[0].layout.endswith("activation geglu_tanh")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+def test_weights_on_the_tokens_bf16_step_on_cuda(checkpoint):
+    """Llama 4's routing through the operator's CUDA kernels under Inductor: a bf16 step equals eager."""
+    torch.manual_seed(0)
+    model = DenseScoresMoE(d=64, h=96, E=8).to(torch.bfloat16).cuda()
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda().requires_grad_()
+    assert run_eager_and_compiled(model, (x,), dtype=torch.bfloat16, options={"checkpoint": checkpoint}) == {
+        "rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("; sigmoid(w), weights on the tokens; activation swiglu")
