@@ -14,6 +14,11 @@ expert computation, bounded by meaning rather than by spelling:
 Runtime assertions (``_assert_scalar`` on data-dependent sizes) are not data: they are ignored when
 post-dominators are computed and are removed with the region they guard.
 
+A top-k whose region holds another top-k (the group top-k of group-limited routing, which masks what the experts'
+top-k picks) or attention (a sparse-attention indexer) selects no experts and is dropped. One whose ids only feed a
+``scatter`` into a dense map (Llama 4's router scores, but also top-k pooling) is ``quiet``: reported only if it is
+rewritten.
+
 Two kinds of candidate are reported instead of analysed further:
 
 * a block that **Dynamo split**: the graph ended at a graph break after the routing, with the ids or
