@@ -42,16 +42,21 @@ def _gelu_grad(v):
 
 
 @triton.jit
+def _gelu_tanh_cdf(v):
+    """0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) (v + 0.044715 v^3): no cancellation for negative v."""
+    return tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+
+
+@triton.jit
 def _gelu_tanh(v):
-    """tanh-approximated GELU (``F.gelu(v, approximate="tanh")``), fp32, written as 0.5 v (1 + tanh(u)) = v *
-    sigmoid(2u), u = sqrt(2/pi) (v + 0.044715 v^3): no cancellation in 1 + tanh(u) for negative v."""
-    return v * tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+    """tanh-approximated GELU (``F.gelu(v, approximate="tanh")``), fp32: v * :func:`_gelu_tanh_cdf`."""
+    return v * _gelu_tanh_cdf(v)
 
 
 @triton.jit
 def _gelu_tanh_grad(v):
     """d/dv of :func:`_gelu_tanh`: s + 2 v s (1 - s) u', s = sigmoid(2u), u' = sqrt(2/pi) (1 + 3 * 0.044715 v^2)."""
-    s = tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+    s = _gelu_tanh_cdf(v)
     return s + v * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 0.134145 * v * v))
 
 

@@ -53,10 +53,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import autotune, dw_sm90, gather_sm90
+from .act import ACT_CODES, _act_backward
 from .autotune import plan_block_m
 from .expert_fwd import (
-    ACT_CODES,
-    _act_backward,
     _check_table,
     _desc_view,
     _grouped_tile_ids,

@@ -74,7 +74,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import autotune, down_sm90, gather_sm90
-from .act import ACT_CODES, _act_backward, _act_forward  # noqa: F401  (expert_bwd imports _act_backward from here)
+from .act import ACT_CODES, _act_forward
 from .autotune import plan_block_m
 from .launch import launch
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation

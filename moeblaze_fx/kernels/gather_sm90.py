@@ -56,6 +56,7 @@ from . import act as act_math
 from . import down_sm90, dw_sm90
 from .launch import launch
 from .down_sm90 import _GLUON
+from .reference import GATED_ACTIVATIONS
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -88,10 +89,10 @@ GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
 _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
-# The activations the up kernel's and the fused dh's epilogues take: the gated ones (the plain ones, without an up
+# The activations the up kernel's and the fused dh's epilogues take: every gated one (the plain ones, without an up
 # projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act._act_forward``,
 # ``act._act_backward``) with their ACT code.
-ACTIVATIONS = frozenset({"swiglu", "geglu", "geglu_tanh", "swiglu_clamp", "swiglu_oai", "swiglu_softcap"})
+ACTIVATIONS = frozenset(GATED_ACTIVATIONS)
 
 
 if _GLUON:
@@ -404,7 +405,7 @@ if _GLUON:
         stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
         pre_ptr, dpre_ptr, part_ptr, weights_ptr,  # ACT_EPI: A|B, dA|dB [.., 2n], partials, routing weights
         stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k,
-        alpha, limit,  # fp32: the activation's parameters (swiglu_oai, swiglu_clamp; else unused)
+        alpha, limit,  # fp32: the activation's parameters (Activation.alpha, .limit; unused by most)
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
         UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop

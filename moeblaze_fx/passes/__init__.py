@@ -247,7 +247,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             changed = True
 
     rewritten = 0
-    quiet: list[RegionRecord] = []  # records of candidates reported only if rewritten (Candidate.quiet)
+    quiet: set[int] = set()  # ids of the records of candidates reported only if rewritten (Candidate.quiet)
     for cand in find_candidates(work, params):
         source = _source(*([cand.output] if cand.output is not None else []), cand.topk)
         record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
@@ -255,7 +255,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             record.idiom = f"{record.idiom}, {where}"
         keyed.append((order[cand.topk], record))
         if cand.quiet:
-            quiet.append(record)
+            quiet.add(id(record))
         if cand.reason:
             record.reason = cand.reason
             continue
@@ -313,7 +313,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
     if rewritten:
         work.graph.lint()
         work.recompile()
-    keyed = [(o, r) for o, r in keyed if not (r.status != "rewritten" and any(r is q for q in quiet))]
+    keyed = [(o, r) for o, r in keyed if r.status == "rewritten" or id(r) not in quiet]
     return [r for _, r in sorted(keyed, key=lambda p: p[0])], changed or rewritten > 0
 
 

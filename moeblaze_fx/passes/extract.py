@@ -173,9 +173,9 @@ class Extraction:
 
 def _routings(cand: Candidate, K: int) -> list[Routing]:
     """Routing hypotheses: the operator's own, and at top-1 where the ids are scattered into a dense [T, E] map of
-    the weights (Llama 4's router scores, which multiply the tokens before every expert), the weights on the
-    tokens, raw or through a sigmoid (where the region calls one)."""
-    if K != 1 or not any(canonical_name(n) == "scatter" and cand.ids in n.all_input_nodes for n in cand.nodes):
+    the weights (``Candidate.quiet``: Llama 4's router scores, which multiply the tokens before every expert), the
+    weights on the tokens, raw or through a sigmoid (where the region calls one)."""
+    if K != 1 or not cand.quiet:
         return [OUTPUT_WEIGHTED]
     fns = [None] + (["sigmoid"] if any(canonical_name(n) == "sigmoid" for n in cand.nodes) else [])
     return [OUTPUT_WEIGHTED] + [Routing(fn, on_input=True) for fn in fns]

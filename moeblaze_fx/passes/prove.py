@@ -203,8 +203,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
                 continue
             experts = layout.experts(stacked)
 
-            def reference(x, experts=experts, act=act, routing=routing):
-                """The operator's function of the tokens, under this hypothesis."""
+            def reference(x):
+                """The operator's function of the tokens, under this hypothesis (called within this iteration)."""
                 xr, wr = routing.apply(x, w2d)
                 return moe_ffn_reference(xr, ids2d, wr, experts, act)
 
