@@ -3,10 +3,13 @@ the issue-4 scale point (d, h, E, K) = (1024, 4096, 8, 2) at T = 2,097,152, then
 step runs out of memory.
 
     PYTHONPATH=. python3 benchmarks/scale_device.py OUTDIR [--tokens 2097152] [--max-tokens N] [--policy recompute]
+        [--sweep T1,T2,...] [--token-major-combine] [--name scale]
 
 Per T: median step time of 3 (after 1 warm-up), peak memory above the step's start (parameters, their
-gradients' first allocation and the inputs are allocated before), TFLOP/s (18·T·K·d·h). Writes
-OUTDIR/scale.json and a markdown table on stdout.
+gradients' first allocation and the inputs are allocated before), TFLOP/s (18·T·K·d·h). ``--sweep``: exactly these
+T, in order, stopping at the first that runs out of memory. ``--token-major-combine``: every window's combine runs
+over all T tokens, as before ``expert_fwd.combine`` ran a window over its own tokens (for comparisons). Writes
+OUTDIR/NAME.json and a markdown table on stdout.
 """
 from __future__ import annotations
 
@@ -75,14 +78,24 @@ def main() -> int:
     p.add_argument("--policy", default="recompute")
     p.add_argument("--shape", default="1024,4096,8,2", help="d,h,E,K")
     p.add_argument("--budget-s", type=float, default=240)
+    p.add_argument("--sweep", default="", help="T1,T2,...: these T instead of the doubling sweep")
+    p.add_argument("--token-major-combine", action="store_true")
+    p.add_argument("--name", default="scale")
     args = p.parse_args()
+    if args.token_major_combine:
+        from moeblaze_fx.kernels import expert_bwd, expert_fwd
+
+        def token_major(y_slots, weights, plan, T, K, out, window, accumulate):
+            return expert_fwd.combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)
+        expert_fwd.combine = expert_bwd.combine = token_major
+    sweep = [int(v) for v in args.sweep.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
     d, h, E, K = (int(v) for v in args.shape.split(","))
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
-    T = args.tokens
+    T = sweep.pop(0) if sweep else args.tokens
     began = time.time()
-    while T <= args.max_tokens and time.time() - began < args.budget_s:
+    while T and T <= args.max_tokens and time.time() - began < args.budget_s:
         try:
             rows.append(measure(T, d, h, E, K, args.policy, dev, dt))
         except torch.OutOfMemoryError as exc:
@@ -91,11 +104,15 @@ def main() -> int:
         finally:
             torch.cuda.empty_cache()
         print(rows[-1], flush=True)
-        T = T * 2 if T < args.tokens * 4 else T + args.tokens * 2
+        if args.sweep:
+            T = sweep.pop(0) if sweep else 0
+        else:
+            T = T * 2 if T < args.tokens * 4 else T + args.tokens * 2
     meta = dict(device=torch.cuda.get_device_name(), memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1),
                 torch=torch.__version__, commit=os.environ.get("MOEBLAZE_COMMIT", "unknown"), policy=args.policy,
-                shape=dict(d=d, h=h, E=E, K=K))
-    with open(os.path.join(args.out, "scale.json"), "w") as f:
+                shape=dict(d=d, h=h, E=E, K=K), token_major_combine=args.token_major_combine,
+                env={k: v for k, v in os.environ.items() if k.startswith("MOEBLAZE_")})
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(json.dumps(meta))
     print("| T | status | ms | TFLOP/s | peak GB |\n|---|---|---|---|---|")

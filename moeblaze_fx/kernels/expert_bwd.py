@@ -27,7 +27,8 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
                         one launch for both, [dW_gate | dW_up][e].T from dA|dB, where up's rows follow gate's
                         in one [E, 2h, d] tensor (Hugging Face's fused gate_up)
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
-    _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order)
+    _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order; per window over
+                        the window's own tokens, expert_fwd.combine)
 
 With ``window_slots`` everything but the down-bias pass and the final reduction runs once per slot
 window (see ``expert_fwd.SlotWindow``): the transients hold the window's rows; the dW kernels contract
@@ -38,7 +39,11 @@ On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel 
 shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
 ``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel. Likewise dh's GEMM (the split's first launch) goes to the gathering
 kernel of :mod:`.gather_sm90` when d % 64 == 0 and W_down is row blocks of one tensor (``MOEBLAZE_GLUON_GATHER=0``);
-for SwiGLU both launches are one there, dH' never stored (``MOEBLAZE_GLUON_DH_ACT=0`` keeps two).
+for SwiGLU both launches are one there, dH' never stored (``MOEBLAZE_GLUON_DH_ACT=0`` keeps two). Under "recompute"
+with an activation of ``gather_sm90.ACTIVATIONS``, no biases and h % 16 == 0, the forward's Gluon up kernel computes
+the window's A|B again into the dA|dB buffer and the fused dh runs in place over it (each element read before it is
+written, by the program that writes it): the same kernels on the same A|B as "activations", so bitwise its results,
+with no more memory than the Triton dh kernel that recomputes A|B inside its own pass.
 
 Each output element is written by exactly one program per window with a fixed reduction order, so there
 are no atomics and two runs with the same configuration are bitwise identical. Experts with no slots get
@@ -59,6 +64,7 @@ from .expert_fwd import (
     _check_table,
     _desc_view,
     _grouped_tile_ids,
+    _up_sm90_weights,
     _table_ptr,
     _window_tile,
     check_expert_inputs,
@@ -656,6 +662,21 @@ def _dh_sm90_weights(w: ExpertTables, d: int, x: Tensor) -> "gather_sm90.GatherW
     return gather_sm90.dh_weights(_desc_view(w.down, True, mode), mode == 2, d)
 
 
+def _recompute_up_weights(w: ExpertTables, d: int, x: Tensor) -> "gather_sm90.GatherWeights | None":
+    """The Gluon up kernel's view of W_gate and W_up for the backward's recomputation, as the forward builds it."""
+    mode = weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, w.up if w.up is not None else w.gate)],
+                           table_align(w.gate, w.up), x.element_size(), x.device)
+    return _up_sm90_weights(w, d, mode, x)
+
+
+def _recompute_on_gluon(grad_y: Tensor, x: Tensor, hw: Tensor, dpre: Tensor, weights: Tensor, act: Activation,
+                        biased: bool, chunk: int) -> bool:
+    """Whether a "recompute" window may run the Gluon up kernel into dpre and the fused dh in place over it."""
+    bm = plan_block_m()
+    return (gather_sm90.up_usable(x, hw, dpre, act.name, biased, bm) and gather_sm90.dh_usable(grad_y, hw, bm)
+            and gather_sm90.dh_act_usable(grad_y, hw, dpre, dpre, weights, act.name, chunk, bm))
+
+
 def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor) -> None:
     """The gradient tables mirror the weight tables: same roles, shapes and E; dtype x.dtype or float32."""
     if not isinstance(grads, ExpertTables):
@@ -722,7 +743,10 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     windows = slot_windows(plan, window_slots)
     # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
     w_dx = down_operand(w.gate, w.up, True, h, x)
-    dh_sm90 = _dh_sm90_weights(w, d, x) if not recompute and DH_SPLIT else None
+    dh_sm90 = _dh_sm90_weights(w, d, x) if DH_SPLIT else None
+    # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see the module doc)
+    up_sm90 = _recompute_up_weights(w, d, x) if recompute and dh_sm90 is not None else None
+    biased = gate_bias is not None or up_bias is not None
     grads_gate_up = _gate_up_table(grads.gate, grads.up)  # dW_gate and dW_up as one launch, or None
     for i, win in enumerate(windows):
         s0, s1 = win.slot0, win.slot1
@@ -738,7 +762,14 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 assert width_n <= _MAX_DH_BLOCK_N and meta["BLOCK_N"] % chunk == 0
                 return (num_tiles * triton.cdiv(h, width_n),)
 
-            if recompute:
+            if up_sm90 is not None and _recompute_on_gluon(grad_y, x, hw, dpre, weights, act, biased, chunk):
+                # A|B into the dA|dB buffer (H into hw, which the fused dh overwrites with w*H), exactly as the
+                # forward computed them; the fused dh then reads each A|B element before it writes its dA|dB there
+                gather_sm90.up_sm90(x, up_sm90, plan, K, d, h, win, hw, dpre, act)
+                gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, dpre, dpre, part[bias_rows:],
+                                        weights, act)
+                phases = []
+            elif recompute:
                 phases = [(_expert_dh_recompute_tuned, "dh_recompute", 0)]
             elif DH_SPLIT:
                 phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
@@ -793,7 +824,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             d_up_bias += _bias_grad(dpre[:, h:], False, None, plan, K, E, window=(s0, s1))
         del dpre
         if busy:
-            combine(dx_slots, None, plan.slot_of, T, K, dx, (s0, s1), accumulate=i > 0)
+            combine(dx_slots, None, plan, T, K, dx, (s0, s1), accumulate=i > 0)
             del dx_slots
     dweights = part[:bias_rows + num_chunks].sum(0)[plan.slot_of].view(T, K).to(weights.dtype)  # (-1: column N)
     return dx, dweights, d_gate_bias, d_up_bias, d_down_bias

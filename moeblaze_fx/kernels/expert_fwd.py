@@ -27,7 +27,7 @@ Data flow (three launches)::
 No gathered [N, d] copy of x is ever built; the transients H and Y are freed when the launcher
 returns. With ``window_slots`` the three launches run once per *slot window* (:class:`SlotWindow`, a
 range of the expert-sorted slots), H and Y holding only the window's rows and the combine adding each
-window's pairs onto y. Saved for backward (by the caller): x, the plan, the routing weights and, under the
+window's pairs onto y (:func:`combine`: over the window's own slots, touching only their tokens' rows). Saved for backward (by the caller): x, the plan, the routing weights and, under the
 "activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs with
 the same configuration are bitwise identical.
 
@@ -438,6 +438,59 @@ def _expert_combine_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BLOCK_D"] == 0})
+@triton.jit
+def _expert_combine_window_kernel(
+    y_ptr,  # [slot1 - slot0, d], the window's slots: per-slot expert outputs (or per-slot dX in the backward)
+    weights_ptr,  # [T, K] any float dtype, read when HAS_WEIGHTS
+    token_index_ptr,  # [N] int32: pair of each slot
+    slot_of_ptr,  # [N] int32: slot of each pair, -1 when unrouted
+    out_ptr,  # [T, d], added to
+    d, K, slot0, slot1,
+    stride_y_s, stride_y_d,
+    stride_wt_t, stride_wt_k,
+    stride_o_t, stride_o_d,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """grid = (cdiv(slot1 - slot0, BLOCK_S), cdiv(d, BLOCK_D)): the same sum as :func:`_expert_combine_kernel`
+    with ACCUMULATE, over the window's tokens only. The program holding a token's first slot in [slot0, slot1)
+    adds all of that token's pairs in the window onto out[t] (fp32, k ascending, the same operations in the same
+    order, so the results are bitwise those of the token-major kernel); every other token's row is not touched.
+    Work and traffic follow the window's size, not T: over many windows the token-major kernel would read and
+    write all of out once per window."""
+    offs_s = slot0 + tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s_mask = offs_s < slot1
+    t64 = (tl.load(token_index_ptr + offs_s, mask=s_mask, other=0) // K).to(tl.int64)
+    first = tl.full((BLOCK_S,), -1, tl.int32)  # the token's first slot in the window (-1: none yet)
+    for k in range(0, K):
+        slot = tl.load(slot_of_ptr + t64 * K + k, mask=s_mask, other=-1)
+        valid = (slot >= slot0) & (slot < slot1)
+        first = tl.where(valid & ((first < 0) | (slot < first)), slot, first)
+    own = s_mask & (first == offs_s)  # an unrouted slot is no pair's slot: never owns
+    if EVEN_D:
+        out_mask = own[:, None]
+    else:
+        out_mask = own[:, None] & (offs_d < d)[None, :]
+    out_ptrs = out_ptr + t64[:, None] * stride_o_t + offs_d[None, :] * stride_o_d
+    acc = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    for k in range(0, K):
+        slot = tl.load(slot_of_ptr + t64 * K + k, mask=own, other=-1)
+        valid = own & (slot >= slot0) & (slot < slot1)
+        if EVEN_D:
+            mask = valid[:, None]
+        else:
+            mask = valid[:, None] & (offs_d < d)[None, :]
+        y = tl.load(y_ptr + (slot - slot0).to(tl.int64)[:, None] * stride_y_s + offs_d[None, :] * stride_y_d,
+                    mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            wk = tl.load(weights_ptr + t64 * stride_wt_t + k * stride_wt_k, mask=valid, other=0.0)
+            y = y * wk.to(tl.float32)[:, None]
+        acc += y
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 _expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA"])
 _expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA"])
 
@@ -717,27 +770,60 @@ def _desc_view(table: WeightTable, k_is_rows: bool, mode: int) -> Tensor | None:
     return kn if mode == 1 else kn.transpose(1, 2)
 
 
-def combine(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
+def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int, K: int, out: Tensor,
             window: tuple[int, int], accumulate: bool) -> Tensor:
     """out[t] (+)= sum_k w[t, k] * y_slots[slot_of[t*K + k] - slot0] over the pairs whose slot lies in
     ``window`` = (slot0, slot1) (w = 1 when weights is None), fp32 accumulation. ``accumulate``: add onto
-    ``out`` (one rounding to out's dtype per call)."""
+    ``out`` (one rounding to out's dtype per call).
+
+    The window of every slot runs token-major over all T tokens (:func:`combine_tokens`). A smaller window runs
+    over its own slots (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its
+    tokens' rows, out zeroed first unless ``accumulate``: a token-major pass per window would read and write all
+    of out once per window, T * d * windows in all."""
+    slot0, slot1 = window
+    if slot0 == 0 and slot1 >= plan.slot_of.numel():
+        return combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)
+    d = out.shape[1]
+    if not accumulate:
+        out.zero_()
+    if T == 0 or d == 0 or slot1 <= slot0:
+        return out
+    block_d, w, strides = _combine_args(y_slots, weights, out)
+    block_s = 16
+    grid = (triton.cdiv(slot1 - slot0, block_s), triton.cdiv(d, block_d))
+    launch(
+        _expert_combine_window_kernel, grid,
+        y_slots, w, plan.token_index, plan.slot_of, out, d, K, slot0, slot1, *strides,
+        HAS_WEIGHTS=weights is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def combine_tokens(y_slots: Tensor, weights: Tensor | None, slot_of: Tensor, T: int, K: int, out: Tensor,
+                   window: tuple[int, int], accumulate: bool) -> Tensor:
+    """:func:`combine` as one token-major pass over all T tokens (:func:`_expert_combine_kernel`), whatever the
+    window: every row of out is written."""
     slot0, slot1 = window
     d = out.shape[1]
     if T == 0 or d == 0:
         return out
-    block_d = min(64 if autotune.interpreting() else 256, triton.next_power_of_2(d))
+    block_d, w, strides = _combine_args(y_slots, weights, out)
     block_t = 16
-    w = weights if weights is not None else y_slots  # placeholder pointer, never read
-    sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     grid = (triton.cdiv(T, block_t), triton.cdiv(d, block_d))
     launch(
         _expert_combine_kernel, grid,
-        y_slots, w, slot_of, out, T, d, K, slot0, slot1,
-        y_slots.stride(0), y_slots.stride(1), *sw, out.stride(0), out.stride(1),
+        y_slots, w, slot_of, out, T, d, K, slot0, slot1, *strides,
         HAS_WEIGHTS=weights is not None, ACCUMULATE=accumulate, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
     )
     return out
+
+
+def _combine_args(y_slots: Tensor, weights: Tensor | None, out: Tensor) -> tuple[int, Tensor, tuple]:
+    """The combine kernels' column block, weights pointer (a placeholder, never read, when None) and strides."""
+    block_d = min(64 if autotune.interpreting() else 256, triton.next_power_of_2(out.shape[1]))
+    sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    w = weights if weights is not None else y_slots
+    return block_d, w, (y_slots.stride(0), y_slots.stride(1), *sw, out.stride(0), out.stride(1))
 
 
 def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
@@ -789,7 +875,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
         # Y = H @ W_down[e].T (+ b_down[e])
         down_project(hid, h, w_down, d, plan, y_slots, down_bias, win)
         del hid
-        combine(y_slots, weights, plan.slot_of, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
+        combine(y_slots, weights, plan, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots
     return out, preact
 

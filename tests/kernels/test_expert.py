@@ -441,6 +441,44 @@ def test_slot_windows_first_tiles_and_bounds():
         slot_windows(plan, -1)
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weights", "no_weights"])
+def test_window_combine_matches_token_major_and_touches_only_its_tokens(weighted):
+    # A window smaller than the slots runs over its own slots: the same fp32 sums, bit for bit, as the token-major
+    # pass (a token with several slots in one window, unrouted pairs, d not a multiple of the block), and the rows
+    # of tokens without a slot in the window keep their bits (NaN stays NaN). The first window zeroes out first.
+    from moeblaze_fx.kernels.expert_fwd import combine, combine_tokens
+    T, K, E, d = 23, 3, 4, 40
+    ids = make_case(T, 8, 8, E, K, ids_mode="sentinel", seed=3)["ids"]
+    plan = dispatch_reference(ids, E, block_m=plan_block_m())
+    N = T * K
+    g = torch.Generator().manual_seed(4)
+    y_slots = torch.randn(N, d, generator=g)
+    weights = torch.rand(T, K, generator=g) if weighted else None
+    slot_of = plan.slot_of.view(T, K)
+    several = False  # some token has several slots in one window
+    for bounds in ([0, 5, 31, N], [0, 17, 18, 40, N], [0, N // 2, N]):
+        windows = list(zip(bounds, bounds[1:]))
+        for s0, s1 in windows:
+            start = torch.randn(T, d, generator=g)
+            start[0] = float("nan")  # token 0 is routed nowhere: no window may touch it
+            inside = ((slot_of >= s0) & (slot_of < s1)).any(1)
+            got = combine(y_slots[s0:s1], weights, plan, T, K, start.clone(), (s0, s1), accumulate=True)
+            want = combine_tokens(y_slots[s0:s1], weights, plan.slot_of, T, K, start.clone(), (s0, s1), True)
+            assert torch.equal(got[inside], want[inside])
+            assert torch.equal(got[~inside].isnan(), start[~inside].isnan())
+            assert torch.equal(got[~inside].nan_to_num(), start[~inside].nan_to_num())
+            assert inside.any() and (~inside).sum() > 1
+            several |= bool((((slot_of >= s0) & (slot_of < s1)).sum(1) > 1).any())
+        # the windows in turn, the first overwriting: the single pass's sums, each token rounded once per window
+        out = torch.full((T, d), float("nan"))
+        for i, (s0, s1) in enumerate(windows):
+            combine(y_slots[s0:s1], weights, plan, T, K, out, (s0, s1), accumulate=i > 0)
+        full = combine(y_slots, weights, plan, T, K, torch.full((T, d), float("nan")), (0, N), accumulate=False)
+        torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out[0], torch.zeros(d))
+    assert several
+
+
 def test_descriptor_eligibility(monkeypatch):
     # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base;
     # MOEBLAZE_TMA=0 turns them off.

@@ -194,8 +194,9 @@ def _need_sm90():
 # weights have n contiguous) and the list layout (no [E, r, c] tensor) never takes it. dW counts dW_down, dW_gate
 # and dW_up per window (dW_gate and dW_up as one launch for hf_fused, whose up rows follow gate's); it takes the
 # Triton kernel when d % 128 != 0 or h % 256 != 0 (2h for hf_fused). The gathering kernel counts
-# the up projection per window (not with biases) and dh's GEMM per window ("activations" only: "recompute" runs
-# the up GEMM inside dh's kernel); h = 200 and 192 leave ragged column tiles.
+# the up projection per window (not with biases) and dh's GEMM per window; "recompute" launches the up kernel again
+# in the backward, then the fused dh, where both may take the window (h % 16 == 0), and otherwise runs the up GEMM
+# inside the Triton dh kernel; h = 200 and 192 leave ragged column tiles.
 GPU_CASES = [
     (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, 0, (1, 1)),
     (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, 2, (0, 1)),
@@ -283,11 +284,13 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
     _poison()
     before, stores, acts = _launches(), dw_sm90.store_launches(), gather_sm90.act_launches()
     y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
-    gathers = gather[0] + (gather[1] if policy == "activations" else 0)
+    # "recompute" on the Gluon kernels: the up kernel into dA|dB's buffer, then the fused dh over it in place
+    recomputed = policy == "recompute" and gather[0] > 0 and gather[1] > 0 and h % 16 == 0
+    gathers = gather[0] + (gather[1] if policy == "activations" else 0) + (gather[0] + gather[1] if recomputed else 0)
     assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
     assert dw_sm90.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
     # dh's GEMM and its epilogue in one launch wherever the GEMM took the Gluon kernel (SwiGLU, A|B kept, h % 16 == 0)
-    fused = policy == "activations" and h % 16 == 0
+    fused = (policy == "activations" and h % 16 == 0) or recomputed
     assert gather_sm90.act_launches() - acts == (gather[1] if fused else 0)
     _switch(monkeypatch, False)
     before = _launches()
@@ -319,14 +322,41 @@ def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h,
     _poison()
     launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
     first = run_kernels(case, policy, window_slots=window_slots)
-    fused = policy == "activations"
-    assert gather_sm90.launches() - launches == (2 if fused else 1) * windows  # up, and dh where A|B are kept
-    assert gather_sm90.act_launches() - acts == (windows if fused else 0)
+    # up and the fused dh; "recompute" launches up again in the backward, into the buffer the fused dh works in place
+    assert gather_sm90.launches() - launches == (2 if policy == "activations" else 3) * windows
+    assert gather_sm90.act_launches() - acts == windows
     _switch(monkeypatch, False)
     launches = gather_sm90.launches()
     second = run_kernels(case, policy, window_slots=window_slots)
     assert gather_sm90.launches() == launches
-    _assert_same_results(first, second, "the Triton kernels'", weights_close=fused and h % 64 != 0)
+    _assert_same_results(first, second, "the Triton kernels'", weights_close=h % 64 != 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,act,window_slots", [
+    (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, "swiglu", 500),  # windows, tiles cut by them
+    (700, 512, 208, 4, 2, "one_expert", "dense", torch.float16, "swiglu", 0),  # columns past h, h % 64 != 0
+    (640, 256, 384, 6, 3, "sentinel", "transposed", torch.bfloat16, "swiglu_clamp(limit=0.6)", 0),  # unrouted pairs
+], ids=["windows", "h208", "clamp-sentinel"])
+def test_recompute_on_gluon_gives_the_activations_results_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
+                                                               act, window_slots):
+    # "recompute" runs the forward's up kernel again in the backward (A|B into dA|dB's buffer) and the fused dh in
+    # place over it: the same kernels on the same A|B as "activations", so y, dx, the routing-weight gradient and
+    # every weight gradient are bit for bit those of "activations"; against the float32 reference within 1e-2.
+    _need_sm90()
+    case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
+                     seed=T + 23)
+    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    _switch(monkeypatch, True)
+    out = []
+    for policy in ("recompute", "activations"):
+        _poison()
+        launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
+        out.append(check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32,
+                                           window_slots=window_slots))
+        assert gather_sm90.launches() - launches == (3 if policy == "recompute" else 2) * windows
+        assert gather_sm90.act_launches() - acts == windows
+    _assert_same_results(*out, '"activations"')
 
 
 @pytest.mark.cuda
@@ -419,7 +449,7 @@ def test_up_h_in_next_loop_matches_after_loop_cuda(monkeypatch, T, d, h, E, K, i
     for value in ("1", "0"):
         launches = gather_sm90.launches()
         y, o = _run_with(monkeypatch, gather_sm90.UP_ENV_VAR, value, case, window_slots, policy)
-        per_window = 2 if policy == "activations" else 1  # up, and dh's GEMM where A|B are kept
+        per_window = 2 if policy == "activations" else 3  # up and the fused dh, and "recompute"'s up again
         assert gather_sm90.launches() - launches == per_window * windows
         assert torch.isfinite(y).all(), "an unwritten H element"
         out.append((y, o))
