@@ -339,14 +339,15 @@ def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h,
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,layout,dtype,act,window_slots", [
     (900, 256, 256, 8, 2, "random", "hf_fused", torch.bfloat16, "swiglu", 500),  # windows, tiles cut by them
     (700, 512, 208, 4, 2, "one_expert", "dense", torch.float16, "swiglu", 0),  # columns past h, h % 64 != 0
-    (640, 256, 384, 6, 3, "sentinel", "transposed", torch.bfloat16, "swiglu_clamp(limit=1.0)", 0),  # unrouted pairs
+    (640, 256, 384, 6, 3, "sentinel", "transposed", torch.bfloat16, "swiglu_clamp(limit=10.0)", 0),  # unrouted pairs
 ], ids=["windows", "h208", "clamp-sentinel"])
 def test_recompute_on_gluon_gives_the_activations_results_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
                                                                act, window_slots):
     # "recompute" runs the forward's up kernel again in the backward (A|B into dA|dB's buffer) and the fused dh in
     # place over it: the same kernels on the same A|B as "activations", so y, dx, the routing-weight gradient and
     # every weight gradient are bit for bit those of "activations"; against the float32 reference within 1e-2
-    # (limit 1.0: at 0.6 the bf16 pre-activations cross the clamp where float32 ones do not, 2 % off under both).
+    # (limit 10, DeepSeek-V4's: with the clamp in the bulk of the pre-activations, bf16 rounds some onto the limit
+    # that float32 keeps below it, several % off under both policies: test_expert's test_clamped_swiglu_bf16_cuda).
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 23)
