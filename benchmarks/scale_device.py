@@ -8,7 +8,8 @@ step runs out of memory.
 Per T: median step time of 3 (after 1 warm-up), peak memory above the step's start (parameters, their
 gradients' first allocation and the inputs are allocated before), TFLOP/s (18·T·K·d·h). ``--sweep``: exactly these
 T, in order, stopping at the first that runs out of memory. ``--token-major-combine``: every window's combine runs
-over all T tokens, as before ``expert_fwd.combine`` ran a window over its own tokens (for comparisons). Writes
+over all T tokens (``MOEBLAZE_WINDOW_COMBINE=0``), as before ``expert_fwd.combine`` ran a window over its own
+tokens. Writes
 OUTDIR/NAME.json and a markdown table on stdout.
 """
 from __future__ import annotations
@@ -83,11 +84,7 @@ def main() -> int:
     p.add_argument("--name", default="scale")
     args = p.parse_args()
     if args.token_major_combine:
-        from moeblaze_fx.kernels import expert_bwd, expert_fwd
-
-        def token_major(y_slots, weights, plan, T, K, out, window, accumulate):
-            return expert_fwd.combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)
-        expert_fwd.combine = expert_bwd.combine = token_major
+        os.environ["MOEBLAZE_WINDOW_COMBINE"] = "0"
     sweep = [int(v) for v in args.sweep.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
     d, h, E, K = (int(v) for v in args.shape.split(","))

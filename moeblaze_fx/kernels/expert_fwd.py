@@ -779,9 +779,10 @@ def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int,
     The window of every slot runs token-major over all T tokens (:func:`combine_tokens`). A smaller window runs
     over its own slots (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its
     tokens' rows, out zeroed first unless ``accumulate``: a token-major pass per window would read and write all
-    of out once per window, T * d * windows in all."""
+    of out once per window, T * d * windows in all. ``MOEBLAZE_WINDOW_COMBINE=0`` runs every window token-major
+    (read at every call: for comparisons)."""
     slot0, slot1 = window
-    if slot0 == 0 and slot1 >= plan.slot_of.numel():
+    if (slot0 == 0 and slot1 >= plan.slot_of.numel()) or os.environ.get("MOEBLAZE_WINDOW_COMBINE", "1") == "0":
         return combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)
     d = out.shape[1]
     if not accumulate:
