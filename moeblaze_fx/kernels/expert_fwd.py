@@ -776,13 +776,16 @@ def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int,
     ``window`` = (slot0, slot1) (w = 1 when weights is None), fp32 accumulation. ``accumulate``: add onto
     ``out`` (one rounding to out's dtype per call).
 
-    The window of every slot runs token-major over all T tokens (:func:`combine_tokens`). A smaller window runs
-    over its own slots (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its
-    tokens' rows, out zeroed first unless ``accumulate``: a token-major pass per window would read and write all
-    of out once per window, T * d * windows in all. ``MOEBLAZE_WINDOW_COMBINE=0`` runs every window token-major
-    (read at every call: for comparisons)."""
+    A window of at least T slots (the one window of every slot among them) runs token-major over all T tokens
+    (:func:`combine_tokens`): it may reach every token. A smaller window runs over its own slots
+    (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its tokens' rows, out zeroed
+    first unless ``accumulate``: a token-major pass per window would read and write all of out once per window,
+    T * d * windows in all (at 2M tokens of the issue's scale shape, 48 windows: a fifth of the step). Where a window
+    reaches most tokens anyway, the token-major pass's coalesced rows cost a little less (C of BENCHMARKS.md with
+    128 MiB of transients: 1.21 against 1.28 ms of combines a step). ``MOEBLAZE_WINDOW_COMBINE=0`` runs every window
+    token-major (read at every call: for comparisons)."""
     slot0, slot1 = window
-    if (slot0 == 0 and slot1 >= plan.slot_of.numel()) or os.environ.get("MOEBLAZE_WINDOW_COMBINE", "1") == "0":
+    if slot1 - slot0 >= T or os.environ.get("MOEBLAZE_WINDOW_COMBINE", "1") == "0":
         return combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)
     d = out.shape[1]
     if not accumulate:

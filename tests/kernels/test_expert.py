@@ -442,12 +442,16 @@ def test_slot_windows_first_tiles_and_bounds():
 
 
 @pytest.mark.parametrize("weighted", [True, False], ids=["weights", "no_weights"])
-def test_window_combine_matches_token_major_and_touches_only_its_tokens(weighted):
-    # A window smaller than the slots runs over its own slots: the same fp32 sums, bit for bit, as the token-major
+def test_window_combine_matches_token_major_and_touches_only_its_tokens(monkeypatch, weighted):
+    # A window of fewer than T slots runs over its own slots: the same fp32 sums, bit for bit, as the token-major
     # pass (a token with several slots in one window, unrouted pairs, d not a multiple of the block), and the rows
-    # of tokens without a slot in the window keep their bits (NaN stays NaN). The first window zeroes out first.
+    # of tokens without a slot in the window keep their bits (NaN stays NaN). The first window zeroes out first. A
+    # window of T slots or more, which may reach every token, runs token-major.
     from moeblaze_fx.kernels.expert_fwd import combine, combine_tokens
-    T, K, E, d = 23, 3, 4, 40
+    kernels = []
+    real_launch = expert_fwd.launch
+    monkeypatch.setattr(expert_fwd, "launch", lambda kernel, *a, **k: (kernels.append(kernel), real_launch(kernel, *a, **k)))
+    T, K, E, d = 40, 3, 4, 40
     ids = make_case(T, 8, 8, E, K, ids_mode="sentinel", seed=3)["ids"]
     plan = dispatch_reference(ids, E, block_m=plan_block_m())
     N = T * K
@@ -456,18 +460,20 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(weighted
     weights = torch.rand(T, K, generator=g) if weighted else None
     slot_of = plan.slot_of.view(T, K)
     several = False  # some token has several slots in one window
-    for bounds in ([0, 5, 31, N], [0, 17, 18, 40, N], [0, N // 2, N]):
+    for bounds in ([0, 5, 31, 60, 99, N], [0, 17, 18, 40, 79, 110, N], [0, 30, 60, 90, N]):
         windows = list(zip(bounds, bounds[1:]))
         for s0, s1 in windows:
             start = torch.randn(T, d, generator=g)
             start[0] = float("nan")  # token 0 is routed nowhere: no window may touch it
             inside = ((slot_of >= s0) & (slot_of < s1)).any(1)
+            kernels.clear()
             got = combine(y_slots[s0:s1], weights, plan, T, K, start.clone(), (s0, s1), accumulate=True)
+            assert kernels == [expert_fwd._expert_combine_window_kernel]
             want = combine_tokens(y_slots[s0:s1], weights, plan.slot_of, T, K, start.clone(), (s0, s1), True)
             assert torch.equal(got[inside], want[inside])
             assert torch.equal(got[~inside].isnan(), start[~inside].isnan())
             assert torch.equal(got[~inside].nan_to_num(), start[~inside].nan_to_num())
-            assert inside.any() and (~inside).sum() > 1
+            assert (~inside).sum() > 1  # (a window of unrouted slots only touches no row at all)
             several |= bool((((slot_of >= s0) & (slot_of < s1)).sum(1) > 1).any())
         # the windows in turn, the first overwriting: the single pass's sums, each token rounded once per window
         out = torch.full((T, d), float("nan"))
@@ -477,6 +483,14 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(weighted
         torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
         assert torch.equal(out[0], torch.zeros(d))
     assert several
+    for window in ((0, N), (0, T), (N - T, N)):
+        kernels.clear()
+        combine(y_slots[window[0]:window[1]], weights, plan, T, K, torch.zeros(T, d), window, accumulate=False)
+        assert kernels == [expert_fwd._expert_combine_kernel]
+    monkeypatch.setenv("MOEBLAZE_WINDOW_COMBINE", "0")
+    kernels.clear()
+    combine(y_slots[:5], weights, plan, T, K, torch.zeros(T, d), (0, 5), accumulate=False)
+    assert kernels == [expert_fwd._expert_combine_kernel]
 
 
 def test_descriptor_eligibility(monkeypatch):
