@@ -392,6 +392,29 @@ def _expert_down_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _add_pairs(acc, y_ptr, weights_ptr, slot_of_ptr, t64, rows, offs_d, d, K, slot0, slot1,
+               stride_y_s, stride_y_d, stride_wt_t, stride_wt_k,
+               HAS_WEIGHTS: tl.constexpr, EVEN_D: tl.constexpr):
+    """acc [rows, BLOCK_D] + sum_k w[t, k] * y[slot_of[t*K + k] - slot0] for the tokens t64 of the ``rows`` set,
+    over their pairs whose slot lies in [slot0, slot1) (unrouted pairs, slot -1, never do), in fp32, k ascending:
+    the one order both combine kernels sum in."""
+    for k in range(0, K):
+        slot = tl.load(slot_of_ptr + t64 * K + k, mask=rows, other=-1)
+        valid = rows & (slot >= slot0) & (slot < slot1)
+        if EVEN_D:
+            mask = valid[:, None]
+        else:
+            mask = valid[:, None] & (offs_d < d)[None, :]
+        y = tl.load(y_ptr + (slot - slot0).to(tl.int64)[:, None] * stride_y_s + offs_d[None, :] * stride_y_d,
+                    mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            wk = tl.load(weights_ptr + t64 * stride_wt_t + k * stride_wt_k, mask=valid, other=0.0)
+            y = y * wk.to(tl.float32)[:, None]
+        acc += y
+    return acc
+
+
 @triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BLOCK_D"] == 0})
 @triton.jit
 def _expert_combine_kernel(
@@ -422,19 +445,8 @@ def _expert_combine_kernel(
         acc = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for k in range(0, K):
-        slot = tl.load(slot_of_ptr + offs_t64 * K + k, mask=t_mask, other=-1)
-        valid = (slot >= slot0) & (slot < slot1)  # unrouted pairs (-1) never are
-        if EVEN_D:
-            mask = valid[:, None]
-        else:
-            mask = valid[:, None] & (offs_d < d)[None, :]
-        y = tl.load(y_ptr + (slot - slot0).to(tl.int64)[:, None] * stride_y_s + offs_d[None, :] * stride_y_d,
-                    mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHTS:
-            wk = tl.load(weights_ptr + offs_t64 * stride_wt_t + k * stride_wt_k, mask=valid, other=0.0)
-            y = y * wk.to(tl.float32)[:, None]
-        acc += y
+    acc = _add_pairs(acc, y_ptr, weights_ptr, slot_of_ptr, offs_t64, t_mask, offs_d, d, K, slot0, slot1,
+                     stride_y_s, stride_y_d, stride_wt_t, stride_wt_k, HAS_WEIGHTS, EVEN_D)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -475,19 +487,8 @@ def _expert_combine_window_kernel(
         out_mask = own[:, None] & (offs_d < d)[None, :]
     out_ptrs = out_ptr + t64[:, None] * stride_o_t + offs_d[None, :] * stride_o_d
     acc = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    for k in range(0, K):
-        slot = tl.load(slot_of_ptr + t64 * K + k, mask=own, other=-1)
-        valid = own & (slot >= slot0) & (slot < slot1)
-        if EVEN_D:
-            mask = valid[:, None]
-        else:
-            mask = valid[:, None] & (offs_d < d)[None, :]
-        y = tl.load(y_ptr + (slot - slot0).to(tl.int64)[:, None] * stride_y_s + offs_d[None, :] * stride_y_d,
-                    mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHTS:
-            wk = tl.load(weights_ptr + t64 * stride_wt_t + k * stride_wt_k, mask=valid, other=0.0)
-            y = y * wk.to(tl.float32)[:, None]
-        acc += y
+    acc = _add_pairs(acc, y_ptr, weights_ptr, slot_of_ptr, t64, own, offs_d, d, K, slot0, slot1,
+                     stride_y_s, stride_y_d, stride_wt_t, stride_wt_k, HAS_WEIGHTS, EVEN_D)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
