@@ -3,8 +3,8 @@
 Inputs: dy = grad_y [T, d], x [T, d], routing weights w [T, K], the weight tables (W_gate, W_up [h, d] per
 expert, W_up absent for a plain activation; W_down [d, h]), the optional biases, the plan, and preact =
 A|B [N, 2h] (or A [N, h], plain activation) in slot order, biases included (saved by the forward,
-"activations" policy) or an empty tensor (``"recompute"`` policy: A|B are recomputed inside the first
-kernel, one extra up GEMM). Weight gradients are written through the ``grads`` tables (x.dtype or
+"activations" policy) or an empty tensor (``"recompute"`` policy: A|B are recomputed, one extra up GEMM,
+inside the first kernel or, on sm_90, by the forward's up kernel; see below). Weight gradients are written through the ``grads`` tables (x.dtype or
 float32; overwritten, or added to with ``accumulate=True``); bias gradients are returned in float32.
 
 Data flow (six launches, seven under "activations", + one small reduction, plus one small launch per bias)::
