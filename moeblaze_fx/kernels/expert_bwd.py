@@ -4,8 +4,9 @@ Inputs: dy = grad_y [T, d], x [T, d], routing weights w [T, K], the weight table
 expert, W_up absent for a plain activation; W_down [d, h]), the optional biases, the plan, and preact =
 A|B [N, 2h] (or A [N, h], plain activation) in slot order, biases included (saved by the forward,
 "activations" policy) or an empty tensor (``"recompute"`` policy: A|B are recomputed, one extra up GEMM,
-inside the first kernel or, on sm_90, by the forward's up kernel; see below). Weight gradients are written through the ``grads`` tables (x.dtype or
-float32; overwritten, or added to with ``accumulate=True``); bias gradients are returned in float32.
+inside the first kernel or, on sm_90, by the forward's up kernel; see below). Weight gradients are written
+through the ``grads`` tables (x.dtype or float32; overwritten, or added to with ``accumulate=True``); bias
+gradients are returned in float32.
 
 Data flow (six launches, seven under "activations", + one small reduction, plus one small launch per bias)::
 
@@ -27,8 +28,8 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
                         one launch for both, [dW_gate | dW_up][e].T from dA|dB, where up's rows follow gate's
                         in one [E, 2h, d] tensor (Hugging Face's fused gate_up)
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
-    _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order; per window over
-                        the window's own tokens, expert_fwd.combine)
+    _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order; a window of fewer
+                        slots than T over its own tokens only: expert_fwd.combine)
 
 With ``window_slots`` everything but the down-bias pass and the final reduction runs once per slot
 window (see ``expert_fwd.SlotWindow``): the transients hold the window's rows; the dW kernels contract

@@ -27,9 +27,10 @@ Data flow (three launches)::
 No gathered [N, d] copy of x is ever built; the transients H and Y are freed when the launcher
 returns. With ``window_slots`` the three launches run once per *slot window* (:class:`SlotWindow`, a
 range of the expert-sorted slots), H and Y holding only the window's rows and the combine adding each
-window's pairs onto y (:func:`combine`: over the window's own slots, touching only their tokens' rows). Saved for backward (by the caller): x, the plan, the routing weights and, under the
-"activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs with
-the same configuration are bitwise identical.
+window's pairs onto y (:func:`combine`: a window of fewer slots than T runs over its own slots, touching only
+their tokens' rows). Saved for backward (by the caller): x, the plan, the routing weights and, under the
+"activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs with the same
+configuration are bitwise identical.
 
 Row tiles come from the plan: ``tile_expert[i]`` / ``tile_start[i]`` describe ``plan_block_m()`` rows
 of one expert; a tile may be ragged (masked against ``offsets[e+1]``), tiles past the last one hold
@@ -781,7 +782,7 @@ def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int,
     (:func:`combine_tokens`): it may reach every token. A smaller window runs over its own slots
     (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its tokens' rows, out zeroed
     first unless ``accumulate``: a token-major pass per window would read and write all of out once per window,
-    T * d * windows in all (at 2M tokens of the issue's scale shape, 48 windows: a fifth of the step). Where a window
+    T * d * windows in all (at 2M tokens of the issue's scale shape, 49 windows: a fifth of the step). Where a window
     reaches most tokens anyway, the token-major pass's coalesced rows cost a little less (C of BENCHMARKS.md with
     128 MiB of transients: 1.21 against 1.28 ms of combines a step). ``MOEBLAZE_WINDOW_COMBINE=0`` runs every window
     token-major (read at every call: for comparisons)."""

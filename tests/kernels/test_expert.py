@@ -450,7 +450,8 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(monkeypa
     from moeblaze_fx.kernels.expert_fwd import combine, combine_tokens
     kernels = []
     real_launch = expert_fwd.launch
-    monkeypatch.setattr(expert_fwd, "launch", lambda kernel, *a, **k: (kernels.append(kernel), real_launch(kernel, *a, **k)))
+    monkeypatch.setattr(expert_fwd, "launch",
+                        lambda kernel, *a, **k: (kernels.append(kernel), real_launch(kernel, *a, **k)))
     T, K, E, d = 40, 3, 4, 40
     ids = make_case(T, 8, 8, E, K, ids_mode="sentinel", seed=3)["ids"]
     plan = dispatch_reference(ids, E, block_m=plan_block_m())
