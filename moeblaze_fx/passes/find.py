@@ -257,6 +257,14 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
                 ids_ipdom = collections.ChainMap({}, ipdom)
                 _fill_post_dominators(reversed([ids] + span), ids_ipdom, order, exit_node, asserts | side, quiet)
                 out, body = _combine_point(graph, ids, ids_ipdom, order, asserts)
+        rerouted = out is not None and len(_weight_members(body, ids)[1]) > 1 and _routes_meet(
+            graph, ids, ipdom, order, asserts, exit_node)
+        if rerouted:
+            # the router's weights, computed from the ids, feed more than the experts (shared experts' gammas
+            # normalized with the routed weights, Inkling's): the expert routes alone meet earlier. The weights
+            # leave before the support comes in, which would otherwise take the logits they are gathered from.
+            out, body = rerouted
+            _push_out_weights(body, ids)
         if out is None and at_break:
             cand.reason = _split_reason(compiled_because)  # values routed by the ids leave the graph at a break
             continue
@@ -577,11 +585,10 @@ def same_size(a, b) -> bool:
     return statically_known_true(a == b)
 
 
-def _push_out_weights(body: set[fx.Node], ids: fx.Node) -> None:
-    """Leave the router's weight computation outside the region when it reads the ids
-    (``scores.gather(1, ids)``, renormalized, flattened): the float nodes rooted at the ids that read
-    only each other and values from outside the region. When the expert computation reads exactly
-    one of them, that one becomes the region's combine-weights input."""
+def _weight_members(body: set[fx.Node], ids: fx.Node) -> tuple[set[fx.Node], list[fx.Node]]:
+    """The router's weight computation inside ``body`` when it reads the ids (``scores.gather(1, ids)``,
+    renormalized, flattened): the float nodes rooted at the ids that read only each other and values from outside
+    the region; and those of them that the rest of ``body`` reads."""
     members: set[fx.Node] = set()
     for node in _topological(body):
         val = example_value(node)
@@ -590,9 +597,29 @@ def _push_out_weights(body: set[fx.Node], ids: fx.Node) -> None:
         inputs = node.all_input_nodes
         if any(i is ids or i in members for i in inputs) and all(i in members or i not in body for i in inputs):
             members.add(node)
-    read = [n for n in members if any(u in body and u not in members for u in n.users)]
+    return members, [n for n in members if any(u in body and u not in members for u in n.users)]
+
+
+def _push_out_weights(body: set[fx.Node], ids: fx.Node) -> None:
+    """Leave the router's weight computation (:func:`_weight_members`) outside the region: when the expert
+    computation reads exactly one of its nodes, that one becomes the region's combine-weights input."""
+    members, read = _weight_members(body, ids)
     if len(read) == 1:
         body.difference_update(members)
+
+
+def _routes_meet(graph, ids, ipdom, order, asserts, exit_node) -> Optional[tuple[fx.Node, set[fx.Node]]]:
+    """The combine point of the ids' routes to the experts alone: post-dominators from the ids on, the router's
+    weight computation (:func:`_weight_members` over everything computed from the ids) left out of the ids' paths.
+    None when those routes meet nowhere, or where the region found reads more than one of the weights' nodes."""
+    members, _ = _weight_members(_computed_from(ids, exit_node, asserts) - {ids, exit_node}, ids)
+    span = list(_between(ids, exit_node))[:-1]
+    routes_ipdom = collections.ChainMap({}, ipdom)
+    _fill_post_dominators(reversed([ids] + span), routes_ipdom, order, exit_node, asserts | members)
+    out, body = _combine_point(graph, ids, routes_ipdom, order, asserts)
+    if out is None or len(_weight_members(body, ids)[1]) != 1:
+        return None
+    return out, body
 
 
 def _topological(nodes: set[fx.Node]) -> list[fx.Node]:

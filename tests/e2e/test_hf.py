@@ -170,6 +170,21 @@ def test_inkling2_softcapped_swiglu_is_rewritten(impl):
         "activation swiglu_softcap(gate=0.05,up=0.08)"] * LAYERS
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_inkling_routed_experts_are_rewritten_beside_jointly_normalized_shared_experts(impl):
+    """Inkling's router normalizes the routed experts' gathered logits together with the shared experts' logits,
+    so the shared experts' gammas are computed from the ids too: the routed experts are rewritten, the shared
+    experts stay in the graph."""
+    if not hasattr(transformers, "InklingTextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Inkling")
+    cfg = transformers.InklingTextConfig(**COMMON | dict(num_key_value_heads=4), head_dim=8, moe_intermediate_size=24,
+                                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)
+    torch.manual_seed(0)
+    model = transformers.InklingForCausalLM(cfg).float()
+    model.set_experts_implementation(impl)
+    assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
+
+
 def test_llama4_weights_on_the_tokens_are_rewritten():
     """Llama 4 runs every expert on every token scaled by its router score, sigmoid(top value) for the chosen expert
     and 0 for the others: rewritten as the operator on the weighted tokens, the top-1 expert's only."""

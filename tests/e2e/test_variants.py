@@ -477,3 +477,69 @@ def test_weights_on_the_tokens_bf16_step_on_cuda(checkpoint):
     assert run_eager_and_compiled(model, (x,), dtype=torch.bfloat16, options={"checkpoint": checkpoint}) == {
         "rewritten": 1}
     assert moeblaze_fx.last_report()[0].layout.endswith("; sigmoid(w), weights on the tokens; activation swiglu")
+
+
+class JointlyNormalizedSharedMoE(nn.Module):
+    """Inkling's MoE (transformers' InklingMoE): the routed experts' logits gathered by the ids are normalized
+    together with the shared experts' logits, so the shared experts' gammas are computed from the ids as well. The
+    routes to the routed experts meet where their outputs are combined; the gammas' path meets them only after the
+    shared experts, at the final add. ``shared_reads_weights``: the shared experts are scaled by the routed weights'
+    sum instead, so what they read is the routed experts' combine weights themselves. ``experts_read_gammas``: each
+    routed expert's output also gets the first gamma added, so the routed experts read two values of the weight
+    computation: no MoE operator."""
+
+    def __init__(self, d=16, h=12, E=4, K=2, S=1, shared_reads_weights=False, experts_read_gammas=False):
+        super().__init__()
+        self.router = nn.Linear(d, E + S, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * h, d) / d**0.5)
+        self.down = nn.Parameter(torch.randn(E, d, h) / h**0.5)
+        self.shared_gate_up = nn.Parameter(torch.randn(S, 2 * h, d) / d**0.5)
+        self.shared_down = nn.Parameter(torch.randn(S, d, h) / h**0.5)
+        self.E, self.K, self.S, self.shared_reads_weights = E, K, S, shared_reads_weights
+        self.experts_read_gammas = experts_read_gammas
+
+    def forward(self, x):
+        logits = self.router(x)
+        routed, shared = logits[:, : self.E], logits[:, self.E:]
+        ids = torch.topk(routed.sigmoid(), self.K, dim=-1)[1]
+        log_probs = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))
+        probs = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+        weights, gammas = probs[:, : self.K], probs[:, self.K:]
+        if self.shared_reads_weights:
+            gammas = weights.sum(-1, keepdim=True).expand(-1, self.S)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, k = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[tok, k, None]
+            if self.experts_read_gammas:
+                y = y + gammas[tok, :1]
+            out = out.index_add(0, tok, y)
+        for s in range(self.S):
+            gate, up = F.linear(x, self.shared_gate_up[s]).chunk(2, dim=-1)
+            out = out + F.linear(F.silu(gate) * up, self.shared_down[s]) * gammas[:, s, None]
+        return out
+
+
+@pytest.mark.parametrize("S", [1, 2])
+def test_shared_experts_normalized_with_the_routed_weights_are_rewritten(S):
+    """The routed experts are rewritten, the weight computation and the shared experts stay in the graph, and the
+    step matches eager. Before, the region ran to the final add and read the router logits and the tokens twice."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(JointlyNormalizedSharedMoE(S=S), (_x(),)) == {"rewritten": 1}
+    assert moeblaze_fx.last_report()[0].layout.endswith("activation swiglu")
+
+
+def test_shared_experts_reading_the_combine_weights_are_rewritten():
+    """The shared experts scaled by a function of the routed weights themselves: the same split, the weights read by
+    both sides."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(JointlyNormalizedSharedMoE(shared_reads_weights=True), (_x(),)) == {"rewritten": 1}
+
+
+def test_routed_experts_reading_two_of_the_weights_values_are_left_alone():
+    """Routed experts that add a gamma to each output read the weight computation twice: no MoE operator, and the
+    region is not split at the routed combine (it would drop the gamma term); left alone with the reason."""
+    torch.manual_seed(0)
+    assert run_eager_and_compiled(JointlyNormalizedSharedMoE(experts_read_gammas=True), (_x(),)) == {"skipped": 1}
+    assert moeblaze_fx.last_report()[0].reason.startswith("expected the region to read tokens [T, d] and combine")
