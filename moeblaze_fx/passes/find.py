@@ -7,6 +7,9 @@ expert computation, bounded by meaning rather than by spelling:
   ids to the graph's output passes through. However the experts are spelled (a sort and grouped
   products, an unrolled per-expert loop of ``index_add``, a gather and batched products), the routes
   from the ids fan out and meet again exactly where expert outputs are combined;
+  Where the router's weights are computed from the ids and also feed something beside the routed experts (Inkling
+  normalizes the gathered routed logits together with the shared experts', whose gammas then depend on the ids),
+  the routes through that weight computation are left out: the output is where the routes to the experts meet;
 * its **body** is every node on a path from the ids to that output;
 * its **support** is pulled in: nodes that read only parameters or constants (a transpose of an
   expert weight, an ``arange``) and shape-only factories (``zeros_like(x)``).
