@@ -6,7 +6,7 @@ expert computation, bounded by meaning rather than by spelling:
 * its **output** is the immediate post-dominator of the ids: the first node that every path from the
   ids to the graph's output passes through. However the experts are spelled (a sort and grouped
   products, an unrolled per-expert loop of ``index_add``, a gather and batched products), the routes
-  from the ids fan out and meet again exactly where expert outputs are combined;
+  from the ids fan out and meet again exactly where expert outputs are combined.
   Where the router's weights are computed from the ids and also feed something beside the routed experts (Inkling
   normalizes the gathered routed logits together with the shared experts', whose gammas then depend on the ids),
   the routes through that weight computation are left out: the output is where the routes to the experts meet;
