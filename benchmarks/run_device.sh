@@ -33,6 +33,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# the package itself, editable: its entry point registers backend="moeblaze", which the graphs provider compiles with
+# (a fresh machine has no install)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "note: editable install failed"
 export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
 export MOEBLAZE_COMMIT=${MOEBLAZE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 
