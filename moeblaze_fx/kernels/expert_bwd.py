@@ -65,8 +65,9 @@ from .expert_fwd import (
     _check_table,
     _desc_view,
     _grouped_tile_ids,
-    _up_sm90_weights,
     _table_ptr,
+    _up_sm90_weights,
+    _up_weight_mode,
     _window_tile,
     check_expert_inputs,
     combine,
@@ -663,18 +664,11 @@ def _dh_sm90_weights(w: ExpertTables, d: int, x: Tensor) -> "gather_sm90.GatherW
     return gather_sm90.dh_weights(_desc_view(w.down, True, mode), mode == 2, d)
 
 
-def _recompute_up_weights(w: ExpertTables, d: int, x: Tensor) -> "gather_sm90.GatherWeights | None":
-    """The Gluon up kernel's view of W_gate and W_up for the backward's recomputation, as the forward builds it."""
-    mode = weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, w.up if w.up is not None else w.gate)],
-                           table_align(w.gate, w.up), x.element_size(), x.device)
-    return _up_sm90_weights(w, d, mode, x)
-
-
 def _recompute_on_gluon(grad_y: Tensor, x: Tensor, hw: Tensor, dpre: Tensor, weights: Tensor, act: Activation,
                         biased: bool, chunk: int) -> bool:
     """Whether a "recompute" window may run the Gluon up kernel into dpre and the fused dh in place over it."""
     bm = plan_block_m()
-    return (gather_sm90.up_usable(x, hw, dpre, act.name, biased, bm) and gather_sm90.dh_usable(grad_y, hw, bm)
+    return (gather_sm90.up_usable(x, hw, dpre, act.name, biased, bm)
             and gather_sm90.dh_act_usable(grad_y, hw, dpre, dpre, weights, act.name, chunk, bm))
 
 
@@ -746,7 +740,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     w_dx = down_operand(w.gate, w.up, True, h, x)
     dh_sm90 = _dh_sm90_weights(w, d, x) if DH_SPLIT else None
     # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see the module doc)
-    up_sm90 = _recompute_up_weights(w, d, x) if recompute and dh_sm90 is not None else None
+    up_sm90 = _up_sm90_weights(w, d, _up_weight_mode(w, x)[1], x) if recompute and dh_sm90 is not None else None
     biased = gate_bias is not None or up_bias is not None
     grads_gate_up = _gate_up_table(grads.gate, grads.up)  # dW_gate and dW_up as one launch, or None
     for i, win in enumerate(windows):

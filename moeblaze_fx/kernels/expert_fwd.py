@@ -861,8 +861,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
     if h == 0 and down_bias is None:  # every expert maps to zero
         return out.zero_(), preact
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
-    align = table_align(w.gate, w.up)
-    w_tma = weight_tma_mode([(t.stride_c, t.stride_r) for t in (w.gate, up)], align, x.element_size(), x.device)
+    align, w_tma = _up_weight_mode(w, x)
     up_sm90 = _up_sm90_weights(w, d, w_tma, x)
     biased = gate_bias is not None or up_bias is not None
     w_down = down_operand(w.down, None, False, h, x)  # Y = H @ W_down[e].T: B[e][k, n] = W_down[e][n, k]
@@ -884,6 +883,14 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
         combine(y_slots, weights, plan, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots
     return out, preact
+
+
+def _up_weight_mode(w: ExpertTables, x: Tensor) -> tuple[int, int]:
+    """The up projection's weights' proven alignment and descriptor mode (:func:`weight_tma_mode`): W_gate and W_up,
+    W_gate alone when not gated."""
+    align = table_align(w.gate, w.up)
+    tables = (w.gate, w.up if w.up is not None else w.gate)
+    return align, weight_tma_mode([(t.stride_c, t.stride_r) for t in tables], align, x.element_size(), x.device)
 
 
 def _up_sm90_weights(w: ExpertTables, d: int, mode: int, x: Tensor) -> "gather_sm90.GatherWeights | None":

@@ -264,10 +264,8 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             graph, ids, ipdom, order, asserts, exit_node)
         if rerouted:
             # the router's weights, computed from the ids, feed more than the experts (shared experts' gammas
-            # normalized with the routed weights, Inkling's): the expert routes alone meet earlier. The weights
-            # leave before the support comes in, which would otherwise take the logits they are gathered from.
+            # normalized with the routed weights, Inkling's): the expert routes alone meet earlier
             out, body = rerouted
-            _push_out_weights(body, ids)
         if out is None and at_break:
             cand.reason = _split_reason(compiled_because)  # values routed by the ids leave the graph at a break
             continue
@@ -614,15 +612,20 @@ def _push_out_weights(body: set[fx.Node], ids: fx.Node) -> None:
 def _routes_meet(graph, ids, ipdom, order, asserts, exit_node) -> Optional[tuple[fx.Node, set[fx.Node]]]:
     """The combine point of the ids' routes to the experts alone: post-dominators from the ids on, the router's
     weight computation (:func:`_weight_members` over everything computed from the ids) left out of the ids' paths.
-    None when those routes meet nowhere, or where the region found reads more than one of the weights' nodes."""
+    None when those routes meet nowhere, or where the region found reads more than one of the weights' nodes. The
+    weights are pushed out of the body here, before the support comes in, which would otherwise take the logits
+    they are gathered from."""
     members, _ = _weight_members(_computed_from(ids, exit_node, asserts) - {ids, exit_node}, ids)
     span = list(_between(ids, exit_node))[:-1]
     routes_ipdom = collections.ChainMap({}, ipdom)
     _fill_post_dominators(reversed([ids] + span), routes_ipdom, order, exit_node, asserts | members)
     out, body = _combine_point(graph, ids, routes_ipdom, order, asserts)
-    if out is None or len(_weight_members(body, ids)[1]) != 1:
+    if out is None:
         return None
-    return out, body
+    members, read = _weight_members(body, ids)
+    if len(read) != 1:
+        return None
+    return out, body - members
 
 
 def _topological(nodes: set[fx.Node]) -> list[fx.Node]:
