@@ -3,11 +3,13 @@ the issue-4 scale point (d, h, E, K) = (1024, 4096, 8, 2) at T = 2,097,152, then
 step runs out of memory.
 
     PYTHONPATH=. python3 benchmarks/scale_device.py OUTDIR [--tokens 2097152] [--max-tokens N] [--policy recompute]
-        [--sweep T1,T2,...] [--token-major-combine] [--name scale]
+        [--sweep T1,T2,...] [--bisect LO,HI,STEP] [--token-major-combine] [--name scale]
 
 Per T: median step time of 3 (after 1 warm-up), peak memory above the step's start (parameters, their
 gradients' first allocation and the inputs are allocated before), TFLOP/s (18·T·K·d·h). ``--sweep``: exactly these
-T, in order, stopping at the first that runs out of memory. ``--token-major-combine``: every window's combine runs
+T, in order, stopping at the first that runs out of memory. ``--bisect LO,HI,STEP``: the largest T that fits,
+LO fitting and HI not, to within STEP tokens (T a multiple of STEP); each probe runs in a fresh process, so an
+earlier probe's out-of-memory leaves no fragments in the allocator. ``--token-major-combine``: every window's combine runs
 over all T tokens (``MOEBLAZE_WINDOW_COMBINE=0``), as before ``expert_fwd.combine`` ran a window over its own
 tokens. Writes
 OUTDIR/NAME.json and a markdown table on stdout.
@@ -71,6 +73,45 @@ def measure(T, d, h, E, K, policy, dev, dt):
                 first_step_s=round(first, 1), status="ok")
 
 
+def bisect(args) -> int:
+    """The largest T in [LO, HI) that fits, to within STEP: each probe is this script with ``--sweep T`` in a fresh
+    process; writes OUTDIR/NAME.json with every probe's row."""
+    import subprocess
+
+    lo, hi, step = (int(v) for v in args.bisect.split(","))
+    rows = []
+
+    def probe(T):
+        name = f"{args.name}_probe_{T}"
+        cmd = [sys.executable, os.path.abspath(__file__), args.out, "--sweep", str(T), "--name", name,
+               "--policy", args.policy, "--shape", args.shape]
+        if args.token_major_combine:
+            cmd.append("--token-major-combine")
+        subprocess.run(cmd, check=True)
+        with open(os.path.join(args.out, f"{name}.json")) as f:
+            got = json.load(f)
+        rows.extend(got["rows"])
+        return got["meta"], got["rows"][0]["status"] == "ok"
+
+    meta, ok = probe(lo)
+    if not ok:
+        raise SystemExit(f"--bisect: LO = {lo} does not fit")
+    _, ok = probe(hi)
+    if ok:
+        raise SystemExit(f"--bisect: HI = {hi} fits")
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid in (lo, hi):
+            break
+        _, ok = probe(mid)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    meta = dict(meta, bisect=dict(largest_fitting=lo, smallest_failing=hi, step=step))
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(json.dumps(meta["bisect"]))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -80,6 +121,7 @@ def main() -> int:
     p.add_argument("--shape", default="1024,4096,8,2", help="d,h,E,K")
     p.add_argument("--budget-s", type=float, default=240)
     p.add_argument("--sweep", default="", help="T1,T2,...: these T instead of the doubling sweep")
+    p.add_argument("--bisect", default="", help="LO,HI,STEP: the largest T that fits, each probe a fresh process")
     p.add_argument("--token-major-combine", action="store_true")
     p.add_argument("--name", default="scale")
     args = p.parse_args()
@@ -87,6 +129,8 @@ def main() -> int:
         os.environ["MOEBLAZE_WINDOW_COMBINE"] = "0"
     sweep = [int(v) for v in args.sweep.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
+    if args.bisect:
+        return bisect(args)
     d, h, E, K = (int(v) for v in args.shape.split(","))
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
