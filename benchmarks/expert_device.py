@@ -768,7 +768,7 @@ def main(outdir: str) -> None:
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         commit, dirty = "unknown", ""
-    commit = os.environ.get("MB_COMMIT", commit)
+    commit = os.environ.get("MOEBLAZE_COMMIT", commit)
     meta = dict(device="cpu (dry run)" if DRY else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), commit=commit, kernels_dirty=bool(dirty),
                 block_m=plan_block_m(), pinned=os.environ.get(autotune.ENV_VAR, ""),

@@ -104,7 +104,7 @@ def main() -> None:
     for name in args.configs.split(","):
         rows += config_rows(name)
         torch.cuda.empty_cache()
-    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("MB_COMMIT", ""),
+    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("MOEBLAZE_COMMIT", "unknown"),
                rows=rows)
     with open(os.path.join(args.outdir, "gemm_ceiling.json"), "w") as f:
         json.dump(out, f, indent=1)
