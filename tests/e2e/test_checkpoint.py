@@ -149,10 +149,10 @@ def test_ids_read_in_a_checkpoint_beside_the_experts():
     assert moeblaze_fx.last_report() == []
 
 
-def test_parameters_held_as_attributes_reach_the_body(monkeypatch):
+@torch._dynamo.config.patch(install_free_tensors=True)
+def test_parameters_held_as_attributes_reach_the_body():
     """With install_free_tensors, Dynamo holds free modules' parameters as get_attr nodes of the outer graph: the
     body's placeholders bound to them are the experts' parameters, with the outer graph's names."""
-    monkeypatch.setattr(torch._dynamo.config, "install_free_tensors", True)
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(ModuleListMoE() for _ in range(2))
 

@@ -28,16 +28,19 @@ def _tokens(step=0, device="cpu"):
 def inductor_settings(monkeypatch):
     """The Inductor settings each graph (forward, then backward) was compiled under (torch's compile caches off:
     a cached graph is not compiled again)."""
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     seen = []
+    patches = (inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False))
+    for p in patches:
+        p.__enter__()
     real = inductor_compile_fx._compile_fx_inner
 
     def spy(*args, **kwargs):
         seen.append((inductor_config.triton.cudagraphs, inductor_config.max_autotune))
         return real(*args, **kwargs)
     monkeypatch.setattr(inductor_compile_fx, "_compile_fx_inner", spy)  # what compile_fx_inner calls
-    return seen
+    yield seen
+    for p in reversed(patches):
+        p.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("mode,expect", [
