@@ -14,7 +14,7 @@ returns ``(y, preact, plan)``:
 Only ``y`` is meant for callers.
 
 The expert parameters arrive as they are stored: ``params`` is the list of parameter tensors and
-``layout`` (see :class:`RoleView`, :func:`encode_layout`) says where in them each *role* lives (gate
+``layout`` (see ``moeblaze_fx/layout.py``) says where in them each *role* lives (gate
 ``[E, h, d]``, up ``[E, h, d]``, down ``[E, d, h]`` and the optional biases): a strided view of one
 ``[E, ...]`` tensor (fused, transposed, interleaved or separate weights) or the same view of E
 separate per-expert tensors (``ModuleList`` experts). Nothing is stacked or copied: the kernels read
@@ -40,18 +40,16 @@ import functools
 import logging
 from typing import NamedTuple, Sequence
 
-import numpy
 import torch
 from torch import Tensor
 
 from .kernels import reference
 from .kernels.reference import ACTIVATIONS, Activation, DispatchPlan, ExpertParams, parse_activation
+from .layout import ROLES, RoleView, check_layout, decode_layout, dense, dense_experts, layout_of, role_value
 
-__all__ = ["moe_ffn", "CHECKPOINT_POLICIES", "ACTIVATIONS", "ROLES", "RoleView", "encode_layout", "decode_layout",
-           "layout_of", "default_chunk_tokens"]
+__all__ = ["moe_ffn", "CHECKPOINT_POLICIES", "ACTIVATIONS", "default_chunk_tokens"]
 
 CHECKPOINT_POLICIES = ("activations", "recompute")
-ROLES = ExpertParams._fields  # gate, up, down, gate_bias, up_bias, down_bias
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CPU_BLOCK_M = 64
 # Default bound on the operator's transient buffers per chunk of tokens (see default_chunk_tokens).
@@ -63,173 +61,6 @@ def plan_block_m(device: torch.device) -> int:
     """Rows per tile of the dispatch plan the operator builds on ``device``."""
     kernels = _triton_kernels() if device.type == "cuda" else None
     return kernels[1].plan_block_m() if kernels is not None else _CPU_BLOCK_M
-
-
-# ---------------------------------------------------------------------------------------------
-# Where each role lives in the parameters
-# ---------------------------------------------------------------------------------------------
-class RoleView(NamedTuple):
-    """One role of every expert as a strided view of parameter storage.
-
-    ``count == 1``: ``params[first]`` holds all experts; expert e's matrix starts ``offset + e*stride_e``
-    elements after the parameter's first element. ``count == E``: ``params[first + e]`` holds expert e,
-    starting ``offset`` elements after its first element (``stride_e`` unused). A bias is a matrix of
-    ``cols == 1``."""
-
-    first: int
-    count: int
-    offset: int
-    stride_e: int
-    stride_r: int
-    stride_c: int
-    rows: int
-    cols: int
-
-    def numel(self, num_experts: int) -> int:
-        return num_experts * self.rows * self.cols
-
-
-_ABSENT = (-1, 0, 0, 0, 0, 0, 0, 0)
-
-
-def encode_layout(num_experts: int, views: Sequence[RoleView | None]) -> list[int]:
-    """The operator's ``layout`` argument: E, then 8 ints per role in :data:`ROLES` order (-1 = absent)."""
-    if len(views) != len(ROLES):
-        raise ValueError(f"encode_layout needs one view (or None) per role {ROLES}, got {len(views)}")
-    out = [int(num_experts)]
-    for v in views:
-        out.extend(_ABSENT if v is None else (int(i) for i in v))
-    return out
-
-
-def decode_layout(layout: Sequence[int]) -> tuple[int, list[RoleView | None]]:
-    layout = [int(v) for v in layout]
-    n = len(ROLES) * len(RoleView._fields)
-    if len(layout) != 1 + n:
-        raise ValueError(f"moeblaze.moe_ffn: layout must hold 1 + {n} ints (see encode_layout), got {len(layout)}")
-    views = [RoleView(*layout[1 + 8 * i: 9 + 8 * i]) for i in range(len(ROLES))]
-    return int(layout[0]), [None if v.first < 0 else v for v in views]
-
-
-def layout_of(experts: ExpertParams, within: Sequence[tuple[Tensor, int] | None] | None = None
-              ) -> tuple[list[Tensor], list[int]]:
-    """``(params, layout)`` for expert tensors given as ``[E, ...]`` tensors or views of them (biases
-    ``[E, n]``): each role is described as a view of its base tensor, so gradients reach the base.
-
-    ``within``, per role: None, or ``(tensor, offset)`` when the caller knows the role starts ``offset``
-    elements into ``tensor`` with ``tensor``'s strides (``moe_ffn``'s split of a fused gate/up weight).
-    It is used while Dynamo traces, which cannot read storage offsets: there a role that is contiguous
-    (or is in its last two dimensions transposed) is its own base, a role whose ``within`` tensor is so
-    is described in it, and any other role is described through storage offsets, which breaks the graph
-    (correct, but more graphs than one)."""
-    params: list[Tensor] = []
-    views: list[RoleView | None] = []
-    E = experts.gate.shape[0]
-    compiling = torch.compiler.is_compiling()
-    for i, t in enumerate(experts):
-        if t is None:
-            views.append(None)
-            continue
-        if t.dim() not in (2, 3) or t.shape[0] != E:
-            raise ValueError(f"moeblaze.moe_ffn: every expert tensor must be [E, ...] with E = {E} experts (from the gate); "
-                             f"got shapes {[None if u is None else tuple(u.shape) for u in experts]}")
-        t3 = t if t.dim() == 3 else t.unsqueeze(-1)
-        known = None if within is None else within[i]
-        if compiling and _contiguous_or_transposed(t):
-            base, offset = t, 0
-        elif compiling and known is not None and _contiguous_or_transposed(known[0]):
-            base, offset = known
-        else:
-            base = t._base if t._base is not None else t
-            offset = t3.storage_offset() - base.storage_offset()
-        index = next((j for j, p in enumerate(params) if p is base), None)
-        if index is None:
-            params.append(base)
-            index = len(params) - 1
-        views.append(RoleView(index, 1, offset, t3.stride(0), t3.stride(1), t3.stride(2), t3.shape[1], t3.shape[2]))
-    return params, encode_layout(E, views)
-
-
-def _contiguous_or_transposed(t: Tensor) -> bool:
-    """Dense in one of the two orders parameters come in; traceable by Dynamo, also on symbolic strides."""
-    return t.is_contiguous() or t.transpose(-1, -2).is_contiguous()
-
-
-def _role_value(params: Sequence[Tensor], v: RoleView, E: int) -> Tensor | list[Tensor]:
-    """The role as an ``[E, rows, cols]`` view (count 1) or a list of E ``[rows, cols]`` views."""
-    if v.count == 1:
-        p = params[v.first]
-        return p.as_strided((E, v.rows, v.cols), (v.stride_e, v.stride_r, v.stride_c), p.storage_offset() + v.offset)
-    return [p.as_strided((v.rows, v.cols), (v.stride_r, v.stride_c), p.storage_offset() + v.offset)
-            for p in params[v.first: v.first + v.count]]
-
-
-def _dense(value: Tensor | list[Tensor], is_bias: bool) -> Tensor:
-    t = torch.stack(value) if isinstance(value, list) else value
-    return t.squeeze(-1) if is_bias else t
-
-
-def _dense_experts(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> ExpertParams:
-    """Every role as an ``[E, ...]`` tensor: views where one parameter holds all experts, a stack of
-    the per-expert tensors otherwise (the plain-PyTorch path)."""
-    return ExpertParams(*[None if v is None else _dense(_role_value(params, v, E), role.endswith("bias"))
-                          for role, v in zip(ROLES, views)])
-
-
-@functools.lru_cache(maxsize=512)
-def _check_layout(shapes: tuple, layout: tuple[int, ...]) -> str | None:
-    """Why ``layout`` does not fit parameters of ``shapes`` (numel, storage extent), or None."""
-    E, views = decode_layout(layout)
-    gate, up, down = views[:3]
-    if gate is None or down is None:
-        return "the layout must give the gate and down roles"
-    for role, v in zip(ROLES, views):
-        if v is None:
-            continue
-        if v.count not in (1, E) or v.first + v.count > len(shapes) or v.first < 0:
-            return f"role {role!r} names parameters {v.first}..{v.first + v.count - 1} of {len(shapes)}"
-        if min(v.offset, v.stride_e, v.stride_r, v.stride_c, v.rows, v.cols) < 0:
-            return f"role {role!r} has a negative offset, stride or size: {v}"
-        extent = v.offset + (v.rows - 1) * v.stride_r + (v.cols - 1) * v.stride_c + 1
-        if v.count == 1:
-            extent += (E - 1) * v.stride_e
-        for numel in shapes[v.first: v.first + v.count]:
-            if v.rows * v.cols > 0 and extent > numel:
-                return f"role {role!r} reaches element {extent - 1} of a parameter of {numel} elements"
-    # roles sharing a parameter must not overlap: each gradient element is written by one role
-    for i, a in enumerate(views):
-        for b in views[i + 1:]:
-            if a is not None and b is not None and a.first == b.first and _overlap(a, b, E):
-                return f"roles overlap in parameter {a.first}: {a} and {b}"
-    return None
-
-
-def _overlap(a: RoleView, b: RoleView, E: int) -> bool:
-    ea = E if a.count == 1 else 1
-    eb = E if b.count == 1 else 1
-    if (a.stride_e, a.stride_r, a.stride_c, a.rows, a.cols) != (b.stride_e, b.stride_r, b.stride_c, b.rows, b.cols) \
-            or ea != eb or 0 in (a.stride_c, a.stride_r):
-        # different shapes: compare index sets (only small parameters reach this)
-        ia = set(_indices(a, ea)) if ea * a.rows * a.cols <= 1 << 22 else None
-        return ia is None or any(i in ia for i in _indices(b, eb))
-    # same shape and strides: overlap iff offset difference = i*s_e + j*s_r + k*s_c with |i|<E, |j|<rows, |k|<cols
-    # (numpy, not torch: this also runs under fake-tensor tracing)
-    delta = abs(b.offset - a.offset)
-    j = numpy.arange(-a.rows + 1, a.rows, dtype=numpy.int64)
-    for e in range(-ea + 1, ea):
-        r = delta - e * a.stride_e - j * a.stride_r
-        k = numpy.floor_divide(r, a.stride_c)
-        if bool(((r - k * a.stride_c == 0) & (numpy.abs(k) < a.cols)).any()):
-            return True
-    return False
-
-
-def _indices(v: RoleView, e_count: int):
-    for e in range(e_count):
-        for r in range(v.rows):
-            base = v.offset + e * v.stride_e + r * v.stride_r
-            for c in range(v.cols):
-                yield base + c * v.stride_c
 
 
 def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens) -> tuple[int, Activation]:
@@ -267,7 +98,7 @@ def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk
     if not isinstance(chunk_tokens, (int, torch.SymInt)) or chunk_tokens < 0:
         raise ValueError(f"moeblaze.moe_ffn: chunk_tokens must be an int >= 0 (0: no chunking), got {chunk_tokens!r}")
     E, views = decode_layout(layout)
-    why = _check_layout(tuple(int(p.numel()) for p in params), tuple(layout))
+    why = check_layout(tuple(int(p.numel()) for p in params), tuple(layout))
     if why:
         raise ValueError(f"moeblaze.moe_ffn: bad layout: {why}")
     for v in views:  # the parameters of a per-expert role: alike, and grouped the same way by every role
@@ -373,7 +204,7 @@ def _tables(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
         if v is None:
             return None
         if v.count == 1:
-            return tables.table_of(_role_value(params, v, E))
+            return tables.table_of(role_value(params, v, E))
         group = params[v.first: v.first + v.count]  # checked alike in shape, strides and dtype
         size = group[0].element_size()
         return tables.table_of_addresses(tuple(p.data_ptr() + v.offset * size for p in group), v.rows, v.cols,
@@ -384,7 +215,7 @@ def _tables(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
 
 def _biases(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> list[Tensor | None]:
     # biases are small: one contiguous [E, n] copy each
-    return [None if v is None else _dense(_role_value(params, v, E), True).contiguous() for v in views[3:]]
+    return [None if v is None else dense(role_value(params, v, E), True).contiguous() for v in views[3:]]
 
 
 class _KernelWeights(NamedTuple):
@@ -397,7 +228,7 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     ``ExpertParams`` for the plain-PyTorch path."""
     if _use_triton(x):
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E))
-    return _dense_experts(params, views, E)
+    return dense_experts(params, views, E)
 
 
 def _forward_chunk(x, ids, weights, experts, E, act, save_preact, out=None, preact_out=None):
@@ -500,10 +331,11 @@ def _store_role(bufs: dict[int, Tensor], v: RoleView, E: int, grad: Tensor, accu
     dest.add_(grad) if accumulate else dest.copy_(grad)
 
 
-def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, bufs, accumulate):
+def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, bufs, accumulate):
     """dx, dweights of these tokens (plain-PyTorch path); parameter gradients stored (or added) into bufs."""
     plan = _make_plan(ids, E, plan_block_m(x.device))
-    dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act)
+    dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act,
+                                                                recompute)
     for v, g in zip(views, grads):
         if v is not None:
             _store_role(bufs, v, E, g, accumulate)
@@ -521,9 +353,13 @@ def _moe_ffn_backward(
     preact: Tensor,
     plan: list[Tensor],
     activation: str,
+    checkpoint: str,
     chunk_tokens: int,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     act = parse_activation(activation)
+    if checkpoint not in CHECKPOINT_POLICIES:
+        raise ValueError(f"moeblaze.moe_ffn_backward: checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
+    recompute = checkpoint == "recompute"
     E, views = decode_layout(layout)
     T, K = ids.shape
     if plan and (len(plan) != len(DispatchPlan._fields) or any(t.dtype != torch.int32 for t in plan)):
@@ -533,14 +369,15 @@ def _moe_ffn_backward(
     bufs = _grad_buffers(params, views, E)
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):
-        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, plan, bufs, chunk_tokens)
+        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs,
+                                chunk_tokens)
     chunks = _chunks(T, chunk_tokens)  # the PyTorch path: a plan per chunk, built again
     dx = x.new_empty(x.shape) if len(chunks) > 1 else None
     dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
     for i, (t0, t1) in enumerate(chunks):
-        pre = preact if preact.numel() == 0 or len(chunks) == 1 else preact[t0 * K: t1 * K]
+        pre = preact if recompute or len(chunks) == 1 else preact[t0 * K: t1 * K]
         dx_c, dw_c = _backward_chunk(grad_y[t0:t1], x[t0:t1], ids[t0:t1], weights[t0:t1], experts, views, E, act, pre,
-                                     bufs, i > 0)
+                                     recompute, bufs, i > 0)
         if len(chunks) == 1:
             dx, dweights = dx_c, dw_c
         else:
@@ -549,7 +386,7 @@ def _moe_ffn_backward(
     return dx, dweights, list(bufs.values())
 
 
-def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, plan, bufs, chunk_tokens):
+def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs, chunk_tokens):
     """The Triton path: one plan (the forward's, or built again from ids when ``plan`` is empty), windows of
     chunk_tokens * K slots. Weight gradients are written through
     tables straight into ``bufs``; over more than two windows, into float32 buffers first when those cost
@@ -568,7 +405,8 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, pl
         *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
     plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device))
     dx, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
-                                               grads=grad_tables, window_slots=window_slots)
+                                               grads=grad_tables, recompute=recompute,
+                                               window_slots=window_slots)
     for v, g in zip(views[3:], dbias):
         if v is not None:
             _store_role(bufs, v, E, g, False)
@@ -580,7 +418,8 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, pl
 
 
 @_moe_ffn_backward.register_fake
-def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, chunk_tokens):
+def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, checkpoint,
+                           chunk_tokens):
     E, views = decode_layout(layout)
     grads = []
     for first, count in _groups(len(params), views, E):
@@ -591,13 +430,14 @@ def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan
 
 
 def _setup_context(ctx, inputs, output):
-    x, ids, weights, params, layout, activation, _checkpoint, chunk_tokens = inputs
+    x, ids, weights, params, layout, activation, checkpoint, chunk_tokens = inputs
     _y, preact, plan = output
-    ctx.layout, ctx.activation, ctx.chunk_tokens, ctx.plan_len = layout, activation, chunk_tokens, len(plan)
+    ctx.layout, ctx.activation, ctx.checkpoint, ctx.chunk_tokens = layout, activation, checkpoint, chunk_tokens
+    ctx.plan_len = len(plan)
     ctx.save_for_backward(x, ids, weights, preact, *plan, *params)
     ctx.mark_non_differentiable(preact, *plan)
     # preact never gets a gradient: left to the default, autograd would hand backward a zero-filled [T*K, 2h]
-    # for it (at config A of BENCHMARKS.md, 4.3 GB written in every backward, and held through it)
+    # for it (at config A of docs/benchmarks.md, 4.3 GB written in every backward, and held through it)
     ctx.set_materialize_grads(False)
 
 
@@ -607,7 +447,7 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
     if grad_y is None:  # y did not reach what is differentiated (gradients are not materialized: see above)
         grad_y = x.new_zeros(x.shape)
     dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
-        grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.chunk_tokens)
+        grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.checkpoint, ctx.chunk_tokens)
     E, views = decode_layout(ctx.layout)
     dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
     for g, (_, count) in zip(grads, _groups(len(params), views, E)):
@@ -616,6 +456,33 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
 
 
 _moe_ffn.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _hf_experts(experts, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Hugging Face's ``(w_gate_up [E, 2h, d], w_down [E, d, h])``, checked: each message names the argument."""
+    usage = ("experts must be Hugging Face's (w_gate_up [E, 2h, d], w_down [E, d, h]) or an "
+             "ExpertParams(gate, up, down, ...) of [E, ...] tensors")
+    if not isinstance(experts, (tuple, list)) or len(experts) != 2:
+        what = f"a {type(experts).__name__} of {len(experts)}" if isinstance(experts, (tuple, list)) else \
+            f"a {type(experts).__name__}"
+        hint = (" (separate gate, up and down weights: pass ExpertParams(gate=..., up=..., down=...))"
+                if isinstance(experts, (tuple, list)) and len(experts) == 3 else "")
+        raise TypeError(f"moeblaze.moe_ffn: {usage}; got {what}{hint}")
+    w_gate_up, w_down = experts
+    for name, t in (("experts[0] (w_gate_up)", w_gate_up), ("experts[1] (w_down)", w_down)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"moeblaze.moe_ffn: {name} must be a tensor; got {type(t).__name__}")
+    d = x.shape[-1]
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 or w_gate_up.shape[2] != d:
+        hint = " (a 2-D tensor is one expert's weight: pass all experts' [E, 2h, d])" if w_gate_up.dim() == 2 else ""
+        raise ValueError(f"moeblaze.moe_ffn: experts[0] (w_gate_up) must be [E, 2h, d] with d = {d} (x's last "
+                         f"dimension); got shape {tuple(w_gate_up.shape)}{hint}")
+    E, h = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    if w_down.dim() != 3 or tuple(w_down.shape) != (E, d, h):
+        hint = " (a 2-D tensor is one expert's weight: pass all experts' [E, d, h])" if w_down.dim() == 2 else ""
+        raise ValueError(f"moeblaze.moe_ffn: experts[1] (w_down) must be [E, d, h] = {(E, d, h)} (E and h from "
+                         f"w_gate_up, d from x); got shape {tuple(w_down.shape)}{hint}")
+    return w_gate_up, w_down
 
 
 def moe_ffn(
@@ -651,7 +518,7 @@ def moe_ffn(
     """
     within = None
     if not isinstance(experts, ExpertParams):
-        w_gate_up, w_down = experts
+        w_gate_up, w_down = _hf_experts(experts, x)
         experts = ExpertParams(*reference.split_gate_up(w_gate_up), w_down)
         within = [(w_gate_up, 0), (w_gate_up, experts.gate.shape[1] * w_gate_up.stride(1))] + [None] * (len(ROLES) - 2)
     params, layout = layout_of(experts, within)

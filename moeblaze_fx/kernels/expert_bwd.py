@@ -689,15 +689,16 @@ def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor) -> None:
 def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables, preact: Tensor,
                     plan: DispatchPlan, activation: "Activation | str",
                     gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                    *, grads: ExpertTables, accumulate: bool = False, window_slots: int = 0,
+                    *, grads: ExpertTables, recompute: bool, accumulate: bool = False, window_slots: int = 0,
                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, d_gate_bias, d_up_bias, d_down_bias).
 
     Weight gradients go through ``grads`` (tables of the same shapes as ``w``, x.dtype or float32):
     overwritten, or added to when ``accumulate`` (experts with no slots: zeros, or left as they are). Bias
     gradients are float32 ``[E, h]``, ``[E, h]``, ``[E, d]``, None where the bias is None.
-    ``preact.numel() == 0`` means recompute A|B (the "recompute" policy); otherwise it is the forward's
-    slot-order ``[T*K, 2h]`` (``[T*K, h]`` for a plain activation).
+    ``recompute``: the memory policy. True ("recompute"): A|B are computed again and ``preact`` is the empty
+    tensor the forward returned; False ("activations"): ``preact`` is the forward's slot-order ``[T*K, 2h]``
+    (``[T*K, h]`` for a plain activation).
 
     ``window_slots`` > 0 runs the slots in windows of at most that many (:func:`~.expert_fwd.slot_windows`),
     bounding the transients dA|dB, w*H and dX to that many rows. An expert whose slots span several windows
@@ -712,10 +713,11 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     if grad_y.device != x.device:
         raise ValueError(f"grad_y is on {grad_y.device}, x on {x.device}")
     grad_y = grad_y.to(x.dtype)
-    recompute = preact.numel() == 0
+    if recompute and preact.numel() != 0:
+        raise ValueError(f"recompute=True takes the forward's empty preact, got shape {tuple(preact.shape)}")
     if not recompute and (tuple(preact.shape) != (N, width) or preact.dtype != x.dtype):
-        raise ValueError(f"preact must be empty (recompute) or [T*K, {'2h' if act.gated else 'h'}] = {(N, width)} "
-                         f"of {x.dtype}, got {tuple(preact.shape)} of {preact.dtype}")
+        raise ValueError(f"preact must be [T*K, {'2h' if act.gated else 'h'}] = {(N, width)} of {x.dtype} "
+                         f"(recompute=False), got {tuple(preact.shape)} of {preact.dtype}")
 
     busy = N > 0 and h > 0 and d > 0  # some GEMM has work
     dx = x.new_empty((T, d)) if busy else x.new_zeros((T, d))

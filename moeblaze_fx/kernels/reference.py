@@ -391,9 +391,11 @@ def moe_ffn_backward_torch(
     preact: Tensor,
     plan: DispatchPlan,
     activation: "str | Activation",
+    recompute: bool,
 ) -> tuple[Tensor, Tensor, ExpertParams]:
     """Returns (dx, dweights, grads) with ``grads`` an :class:`ExpertParams` of the gradients of
-    ``experts`` (None where ``experts`` has None). ``preact`` empty means recompute it.
+    ``experts`` (None where ``experts`` has None). ``recompute``: the memory policy; True computes the
+    pre-activations again (``preact`` is then the forward's empty tensor), False reads them from ``preact``.
 
     The routing-weight gradient is ``<dH', H> + <dy, b_down>`` per slot (dH' the gradient H gets with
     weight 1), so the expert outputs are never needed."""
@@ -408,7 +410,8 @@ def moe_ffn_backward_torch(
     dx = torch.zeros(T, d, dtype=acc, device=x.device)
     dweights = torch.zeros(T * K, dtype=acc, device=x.device)
     grads = ExpertParams(*[None if t is None else torch.zeros_like(t) for t in p])
-    recompute = preact.numel() == 0
+    if recompute != (preact.dim() == 1):  # the forward's [0] under "recompute", [T*K, width] otherwise
+        raise ValueError(f"recompute={recompute} does not match preact of shape {tuple(preact.shape)}")
     for e, lo, hi in _expert_ranges(plan):
         pairs = plan.token_index[lo:hi].to(torch.int64)
         tok = tok_of_slot[lo:hi]

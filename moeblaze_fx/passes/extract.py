@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels.reference import Activation, ExpertParams
-from ..ops import ROLES, RoleView, encode_layout
+from ..layout import ROLES, RoleView, encode_layout
 from .find import SHAPE_ONLY_NAMES, Candidate, example_value, same_size
 
 from .normalize import canonical_name, role

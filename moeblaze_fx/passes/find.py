@@ -48,6 +48,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .normalize import ROLE_OF, canonical_name, example_value, role, shares_storage
+from .source import is_plumbing, short_path, source_of
 
 __all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "SUBGRAPH_OPS", "subgraph_body",
            "example_value", "size_hint"]
@@ -351,10 +352,8 @@ def _compile_reason(gm: fx.GraphModule):
 
 def _split_reason(compiled_because) -> str:
     """GRAPH_BREAK made specific: where Dynamo broke the graph, why, and what to change."""
-    from . import _is_plumbing, _short_path  # the report's file:line form (imported here: passes imports find)
-
     frames = [f for f in (compiled_because.user_stack if compiled_because else []) if f.filename]
-    user = [f for f in frames if not _is_plumbing(f.filename)] or frames
+    user = [f for f in frames if not is_plumbing(f.filename)] or frames
     if not user:
         return GRAPH_BREAK
     frame = user[-1]
@@ -367,7 +366,7 @@ def _split_reason(compiled_because) -> str:
     if os.sep + "transformers" + os.sep in frame.filename:
         fix = _TRANSFORMERS_FIX  # a library's own loop: choose its implementation rather than edit it
     code = f" (`{frame.line.strip()}`)" if frame.line else ""
-    return (f"Dynamo split this MoE block at {_short_path(f'{frame.filename}:{frame.lineno}')}{code}: "
+    return (f"Dynamo split this MoE block at {short_path(f'{frame.filename}:{frame.lineno}')}{code}: "
             f"{cause.format(op=op)}, so the graph ends there and the experts run in other graphs. "
             f"{fix[0].upper()}{fix[1:]}")
 
@@ -464,15 +463,13 @@ def _counted(node, body: set[fx.Node]) -> bool:
 
 
 def _capacity_reason(compare: fx.Node, bound) -> str:
-    from . import _source  # the report's file:line form (imported here: passes imports find)
-
     capacity = example_value(bound)
     if isinstance(capacity, torch.Tensor):
         capacity = bound.name
     elif isinstance(capacity, torch.SymInt):  # symbolic (dynamic sizes, a float factor): its traced value
         capacity = f"{size_hint(capacity)} (at the traced sizes)"
     return (f"capacity routing: a running count of each expert's tokens is compared with a capacity C={capacity} at "
-            f"{_source(compare)}, and tokens beyond C are dropped; moe_ffn computes every routed token, "
+            f"{source_of(compare)}, and tokens beyond C are dropped; moe_ffn computes every routed token, "
             f"so the two differ whenever an expert is routed more than C tokens: not rewritten")
 
 

@@ -140,7 +140,8 @@ def run_kernels(case, policy, *, grads=None, accumulate=False, window_slots=0):
     grads = grad_storage_like(case) if grads is None else grads
     gw = tables(role_views(layout, grads, act.gated, E))
     dx, dweights, *dbias = expert_backward(case["grad_y"], case["x"], case["weights"], w, preact, plan, act,
-                                           *case["biases"], grads=gw, accumulate=accumulate,
+                                           *case["biases"], grads=gw, recompute=policy == "recompute",
+                                           accumulate=accumulate,
                                            window_slots=window_slots)
     return y, dict(x=dx, weights=dweights, storage=grads, biases=dbias, preact=preact)
 
@@ -827,7 +828,8 @@ def test_bad_inputs_raise_clear_errors():
     grads = ExpertTables(table_of(torch.empty_like(gate)), table_of(torch.empty_like(up)), table_of(torch.empty_like(down)))
 
     def bwd(preact=preact, grads=grads):
-        return expert_backward(case["grad_y"], x, weights, w, preact, plan, "swiglu", gb, ub, db, grads=grads)
+        return expert_backward(case["grad_y"], x, weights, w, preact, plan, "swiglu", gb, ub, db, grads=grads,
+                               recompute=False)
     with pytest.raises(ValueError, match="preact"):
         bwd(preact=preact[:, :12])
     with pytest.raises(ValueError, match="grads.down"):
@@ -966,7 +968,7 @@ def test_slot_windows_bound_the_backward_transients_cuda(policy):
     _, preact = expert_forward(case["x"], case["weights"], w, plan, act, policy == "activations")
     grads = grad_storage_like(case, fill=0.0)
     gw = tables(role_views("dense", grads, True, E))
-    run = dict(grads=gw, window_slots=window)
+    run = dict(grads=gw, recompute=policy == "recompute", window_slots=window)
     expert_backward(case["grad_y"], case["x"], case["weights"], w, preact, plan, act, **run)  # compile, tune
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

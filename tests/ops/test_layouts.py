@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moeblaze_fx.kernels.reference import ACTIVATIONS, ExpertParams, moe_ffn_reference, parse_activation
-from moeblaze_fx.ops import RoleView, encode_layout, moe_ffn
+from moeblaze_fx.layout import RoleView, encode_layout
+from moeblaze_fx.ops import moe_ffn
 
 T, d, h, E, K = 23, 8, 6, 4, 2
 SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=1.702,limit=0.7)",

@@ -1,11 +1,16 @@
 """The operator: numerics against the reference (output and every gradient), memory policy, errors."""
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeblaze_fx
 from moeblaze_fx.kernels.reference import ExpertParams, moe_ffn_reference, split_gate_up
-from moeblaze_fx.ops import RoleView, encode_layout, moe_ffn
+from moeblaze_fx.layout import RoleView, encode_layout
+from moeblaze_fx.ops import moe_ffn
 
 
 def _ref(x, ids, w, wgu, wd, activation="swiglu"):
@@ -185,13 +190,13 @@ def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
 
 def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(triton_path):
     x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32, route=_all_to_expert_zero)
-    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
     assert len(plan) == 5 and all(t.dtype == torch.int32 for t in plan) and len(triton_path) == 1
     g = torch.randn_like(y)
-    saved = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, plan, "swiglu", 0)
+    saved = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, plan, "swiglu", "activations", 0)
     assert len(triton_path) == 1
-    again = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, [], "swiglu", 0)
+    again = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, [], "swiglu", "activations", 0)
     assert len(triton_path) == 2
     for a, b in zip((saved[0], saved[1], *saved[2]), (again[0], again[1], *again[2])):
         assert torch.equal(a, b)
@@ -201,13 +206,31 @@ def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(t
 def test_triton_path_opcheck(triton_path, checkpoint):
     """The fake implementation's plan shapes (static in T, K and E) match the real ones."""
     x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
-    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default, (x, ids, w, params, layout, "swiglu", checkpoint, 0))
+
+
+def test_backward_refuses_a_policy_that_is_not_one():
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        torch.ops.moeblaze.moe_ffn_backward(torch.ones(10, 8), x.detach(), ids, w.detach(), params, layout,
+                                            torch.empty(0), [], "swiglu", "auto", 0)
+
+
+def test_backward_policy_must_match_what_the_forward_saved():
+    """The policy reaches the backward as an argument; a pre-activation tensor that disagrees with it is refused."""
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    _, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
+    with pytest.raises(ValueError, match="recompute=True does not match preact"):
+        torch.ops.moeblaze.moe_ffn_backward(torch.ones(10, 8), x.detach(), ids, w.detach(), params, layout,
+                                            preact, plan, "swiglu", "recompute", 0)
 
 
 def test_pytorch_path_returns_no_plan():
     x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
-    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     assert torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[2] == []
 
 
@@ -215,10 +238,10 @@ def test_pytorch_path_returns_no_plan():
                          ids=["four-tensors", "int64"])
 def test_backward_refuses_a_malformed_plan(plan):
     x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
-    params, layout = moeblaze_fx.ops.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     with pytest.raises(ValueError, match="plan must be the forward's 5 int32 tensors"):
         torch.ops.moeblaze.moe_ffn_backward(torch.ones(10, 8), x.detach(), ids, w.detach(), params, layout,
-                                            torch.empty(0), plan, "swiglu", 0)
+                                            torch.empty(0), plan, "swiglu", "recompute", 0)
 
 
 class _ZeroFills(TorchDispatchMode):
@@ -277,8 +300,8 @@ def test_backward_with_no_gradient_for_y():
         (lambda a: a.update(x=a["x"][None]), "x must be [T, d]"),
         (lambda a: a.update(ids=a["ids"].float()), "ids must be int32 or int64"),
         (lambda a: a.update(ids=a["ids"][:-1], weights=a["weights"][:-1]), "must both be [T, K]"),
-        (lambda a: a.update(w_gate_up=a["w_gate_up"][:, :, :-1].contiguous()), "role 'gate' is [6, 7] per expert"),
-        (lambda a: a.update(w_down=a["w_down"][:-1]), "with E = 4 experts"),
+        (lambda a: a.update(w_gate_up=a["w_gate_up"][:, :, :-1].contiguous()), "experts[0] (w_gate_up) must be [E, 2h, d] with d = 8"),
+        (lambda a: a.update(w_down=a["w_down"][:-1]), "experts[1] (w_down) must be [E, d, h] = (4, 8, 6)"),
         (lambda a: a.update(x=a["x"].half()), "must have x's dtype"),
         (lambda a: a.update(x=a["x"].int()), "unsupported dtype"),
         (lambda a: a.update(activation="tanh"), "unknown activation"),
@@ -296,7 +319,7 @@ def test_bad_input_is_a_clear_error(mutate, message):
     for key in ("activation", "checkpoint"):
         if key in args:
             kwargs[key] = args.pop(key)
-    with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         moe_ffn(args["x"], args["ids"], args["weights"], (args["w_gate_up"], args["w_down"]), **kwargs)
 
 
@@ -316,3 +339,27 @@ def test_cuda_bfloat16_against_float32_reference(T, d, h, E, K, checkpoint):
         rel = ((a.float() - b).norm() / b.norm()).item()
         assert rel <= 1e-2, f"{name}: relative error {rel:.3g}"
     assert moeblaze_fx.moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint).equal(y)  # deterministic
+
+
+def test_importing_the_package_loads_no_benchmark_code():
+    code = ("import sys, moeblaze_fx; assert not [m for m in sys.modules if m.startswith('moeblaze_fx.bench')]; "
+            "assert callable(moeblaze_fx.compare); assert 'moeblaze_fx.bench.compare' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("experts,error,match", [
+    # one expert's weight where all experts' are expected: the message names the argument and the shape wanted
+    (lambda wgu, wd: (wgu[0], wd), ValueError, r"experts\[0\] \(w_gate_up\) must be \[E, 2h, d\].*one expert's"),
+    (lambda wgu, wd: (wgu, wd[0]), ValueError, r"experts\[1\] \(w_down\) must be \[E, d, h\] = \(4, 8, 6\)"),
+    (lambda wgu, wd: (wgu, wd.transpose(1, 2)), ValueError, r"experts\[1\] \(w_down\) must be \[E, d, h\]"),
+    (lambda wgu, wd: (wgu, wgu, wd), TypeError, r"got a tuple of 3 \(separate gate, up and down weights: pass "
+                                                r"ExpertParams"),
+    (lambda wgu, wd: wgu, TypeError, "experts must be Hugging Face's"),
+    (lambda wgu, wd: ExpertParams(wgu[:, :6], wgu[:, 6:], wd[:3]), ValueError,
+     r"experts.down must be \[E, rows, cols\] with E = 4 experts"),
+], ids=["gate-up-of-one-expert", "down-of-one-expert", "down-transposed", "three-tensors", "one-tensor",
+        "down-with-fewer-experts"])
+def test_experts_argument_errors_name_the_argument(experts, error, match):
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    with pytest.raises(error, match=match):
+        moe_ffn(x, ids, w, experts(wgu, wd))

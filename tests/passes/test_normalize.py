@@ -175,11 +175,11 @@ def test_library_frames_are_judged_below_site_packages():
     the virtual environment lives in a folder named torch (the GPU machine's /opt/torch/.venv)."""
     import os
 
-    from moeblaze_fx.passes import _is_plumbing
+    from moeblaze_fx.passes.source import is_plumbing
 
     venv = os.path.join(os.sep, "opt", "torch", ".venv", "lib", "python3.12", "site-packages")
-    assert _is_plumbing(os.path.join(venv, "torch", "nn", "modules", "module.py"))
-    assert _is_plumbing(os.path.join(venv, "transformers", "integrations", "moe.py"))
-    assert not _is_plumbing(os.path.join(venv, "transformers", "models", "mixtral", "modeling_mixtral.py"))
-    assert _is_plumbing(os.path.join(os.sep, "src", "pytorch", "torch", "nn", "functional.py"))
-    assert not _is_plumbing(os.path.join(os.sep, "src", "model.py"))
+    assert is_plumbing(os.path.join(venv, "torch", "nn", "modules", "module.py"))
+    assert is_plumbing(os.path.join(venv, "transformers", "integrations", "moe.py"))
+    assert not is_plumbing(os.path.join(venv, "transformers", "models", "mixtral", "modeling_mixtral.py"))
+    assert is_plumbing(os.path.join(os.sep, "src", "pytorch", "torch", "nn", "functional.py"))
+    assert not is_plumbing(os.path.join(os.sep, "src", "model.py"))
