@@ -2,7 +2,10 @@
 (``swiglu_clamp(limit=10.0)``), MoEBlaze against Hugging Face's grouped_mm experts under torch.compile computing
 the same activation, each checked against the float32 reference of its own activation.
 
-    python3 benchmarks/act_device.py OUT [--configs C,D,B] [--acts swiglu,swiglu_clamp(limit=10.0)]
+    python benchmarks/act_device.py OUT [--configs C,D,B] [--acts "swiglu;swiglu_clamp(limit=10.0)"]
+
+Needs a CUDA GPU and the package: ``pip install <your CUDA build of torch 2.11-2.13>`` then ``pip install -e .``
+from the repository root (``pip install -e ".[bench]"`` adds the optional peers and plots).
 
 Writes OUT/act.json and prints one line a row. The Gluon launch counts tell which up-projection and dh kernels ran
 (the Gluon up kernel and fused dh take the SwiGLUs, plain and clamped; other activations run the Triton kernels).

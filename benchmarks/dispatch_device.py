@@ -1,6 +1,10 @@
-"""One GPU run for the Triton dispatch: correctness on the device, then the benchmark.
+"""The lock-free Triton dispatch (token index, offsets, inverse permutation) on a GPU: correctness on the device,
+then its speed against the two PyTorch spellings of the same metadata (benchmarks/RESULTS.md, "Dispatch").
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/dispatch_device.py OUT_DIR [--commit SHA] [--sweep]
+    python benchmarks/dispatch_device.py OUT_DIR [--commit SHA] [--sweep]
+
+Needs a CUDA GPU and the package: ``pip install <your CUDA build of torch 2.11-2.13>`` then ``pip install -e .``
+from the repository root (``pip install -e ".[bench]"`` adds the optional peers and plots).
 
 Checks (each printed as PASS/FAIL; the run goes on to the benchmark either way and exits 1 on any FAIL):
 bitwise equality with dispatch_reference at several sizes (int32 and int64 ids, about 1 in 8 ids a
@@ -157,7 +161,7 @@ def main():
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "commit": args.commit,
-        "command": "PYTHONPATH=. python3 benchmarks/dispatch_device.py OUT_DIR" + (" --sweep" if args.sweep else ""),
+        "command": "python benchmarks/dispatch_device.py OUT_DIR" + (" --sweep" if args.sweep else ""),
     }  # fmt: skip
     print(json.dumps(meta))
     results: dict = {"meta": meta}

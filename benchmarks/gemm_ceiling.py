@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """What the vendor's GEMMs alone take for one layer step's nine GEMM units (18*N*d*h FLOPs), at configs A-D.
 
-    python3 benchmarks/gemm_ceiling.py OUTDIR [--configs A,B,C,D]
+    python benchmarks/gemm_ceiling.py OUTDIR [--configs A,B,C,D]
 
-Issue 4 asks for the whole layer step (router, dispatch, gathers, SwiGLU, combine, forward and backward) to run a
+Needs a CUDA GPU and the package: ``pip install <your CUDA build of torch 2.11-2.13>`` then ``pip install -e .``
+from the repository root (``pip install -e ".[bench]"`` adds the optional peers and plots).
+
+The layer benchmark's speed targets ask for the whole layer step (router, dispatch, gathers, SwiGLU, combine, forward and backward) to run a
 given factor faster than the fastest peer. This measures, in the same process and on the same device, the GEMMs of a
 step with none of the rest, on rows already gathered and sorted by expert:
 
@@ -11,7 +14,7 @@ step with none of the rest, on rows already gathered and sorted by expert:
   backward through autograd (dX, dWgu, dH, dWd): the same six GEMMs the layer runs (9 units);
 * ``dense``: cuBLAS ``torch.mm`` on the same operand shapes with no expert boundaries (one [N, d] x [d, 2h] GEMM and
   so on): an upper bound on what grouping could reach;
-* ``dense8192``: the 8192^3 bf16 GEMM, the machine's ceiling as BENCHMARKS.md measures it.
+* ``dense8192``: the 8192^3 bf16 GEMM, the machine's ceiling as docs/benchmarks.md measures it.
 
 Routing: softmax top-K of random logits (as the layer bench's router), so the groups are about N / E rows each.
 Times: the layer bench's timer (``moeblaze_fx.bench.layer.time_steps``): CUDA events around each step, L2

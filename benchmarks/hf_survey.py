@@ -2,6 +2,10 @@
 
     python benchmarks/hf_survey.py OUT_DIR [FAMILY ...] [--timeout 300] [--max-params 50000000] [--max-memory-gb 8]
 
+Runs on the CPU; no GPU needed: ``pip install torch && pip install -e ".[test]"`` (which brings transformers), then
+the command above. The current table is benchmarks/hf_survey_cpu.md (benchmarks/RESULTS.md, "Hugging Face model
+survey").
+
 For every MoE family of the installed transformers (default: each model directory whose modeling file mentions
 ``use_experts_implementation``, ``num_local_experts``, ``n_routed_experts``, ``moe_num_experts``,
 ``num_experts_per_tok`` or ``moe_topk``), a tiny float32 model is built from its config class (2 layers, hidden 32,

@@ -1,6 +1,6 @@
 """Host against device time of one layer step, and where the host's time goes (Python's cProfile).
 
-    PYTHONPATH=. python3 benchmarks/host_profile.py OUTDIR [--configs C,D] [--shape T,d,h,E,K ...]
+    python benchmarks/host_profile.py OUTDIR [--configs C,D] [--shape T,d,h,E,K ...]
         [--providers moeblaze-activations]
         [--steps 6] [--top 35]
 
@@ -20,6 +20,9 @@ For each config and provider: three untimed steps (compilation, autotuning), the
 
 Writes OUTDIR/host.json and prints one line per config and provider. ``eager_ms`` near ``host_ms`` and above
 ``device_ms`` means the step is bound by its launches.
+
+Needs a CUDA GPU and the package: ``pip install <your CUDA build of torch 2.11-2.13>`` then ``pip install -e .``
+from the repository root (``pip install -e ".[bench]"`` adds the optional peers and plots).
 """
 from __future__ import annotations
 

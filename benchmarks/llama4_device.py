@@ -2,7 +2,11 @@
 default torch.compile, and under ``backend="moeblaze"``, which rewrites its dense all-experts computation into the
 operator on the weighted tokens (one expert's work a token instead of E's).
 
-    python3 benchmarks/llama4_device.py OUT [--tokens 8192] [--d 2048] [--h 4096] [--experts 16] [--reps 10]
+    python benchmarks/llama4_device.py OUT [--tokens 8192] [--d 2048] [--h 4096] [--experts 16] [--reps 10]
+
+Needs a CUDA GPU and the package: ``pip install <your CUDA build of torch 2.11-2.13>`` then ``pip install -e .``
+from the repository root (``pip install -e ".[bench]"`` adds the optional peers and plots). transformers with Llama 4 (``pip install
+"transformers>=5"``).
 
 Times with CUDA events (median of ``--reps`` steps after 3 warm-up steps); the output and the input's gradient of
 each variant against eager's (relative error in the 2-norm). The block includes the shared expert and the router,

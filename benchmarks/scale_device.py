@@ -1,18 +1,18 @@
-"""Token scaling of one MoE layer (router included), forward + backward, bf16, under "recompute":
-the issue-4 scale point (d, h, E, K) = (1024, 4096, 8, 2) at T = 2,097,152, then T grown until the
-step runs out of memory.
+"""Token scaling of one MoE layer (router included), forward + backward, bf16, under "recompute": how many tokens
+one GPU trains in one step, and at what rate. The scale point (d, h, E, K) = (1024, 4096, 8, 2) at T = 2,097,152,
+then T grown until the step runs out of memory (benchmarks/RESULTS.md, "Token scaling and the largest T").
 
-    PYTHONPATH=. python3 benchmarks/scale_device.py OUTDIR [--tokens 2097152] [--max-tokens N] [--policy recompute]
-        [--sweep T1,T2,...] [--bisect LO,HI,STEP] [--token-major-combine] [--name scale]
+Needs a CUDA GPU and the package: ``pip install <your CUDA build of torch 2.11-2.13>`` then ``pip install -e .``
+from the repository root (``pip install -e ".[bench]"`` adds the optional peers and plots).
+
+    python benchmarks/scale_device.py OUTDIR [--tokens 2097152] [--max-tokens N] [--policy recompute]
+        [--sweep T1,T2,...] [--bisect LO,HI,STEP] [--name scale]
 
 Per T: median step time of 3 (after 1 warm-up), peak memory above the step's start (parameters, their
 gradients' first allocation and the inputs are allocated before), TFLOP/s (18·T·K·d·h). ``--sweep``: exactly these
 T, in order, stopping at the first that runs out of memory. ``--bisect LO,HI,STEP``: the largest T that fits,
 LO fitting and HI not, to within STEP tokens (T a multiple of STEP); each probe runs in a fresh process, so an
-earlier probe's out-of-memory leaves no fragments in the allocator. ``--token-major-combine``: every window's combine runs
-over all T tokens (``MOEBLAZE_WINDOW_COMBINE=0``), as before ``expert_fwd.combine`` ran a window over its own
-tokens. Writes
-OUTDIR/NAME.json and a markdown table on stdout.
+earlier probe's out-of-memory leaves no fragments in the allocator. Writes OUTDIR/NAME.json and a markdown table on stdout.
 """
 from __future__ import annotations
 
@@ -122,11 +122,8 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=240)
     p.add_argument("--sweep", default="", help="T1,T2,...: these T instead of the doubling sweep")
     p.add_argument("--bisect", default="", help="LO,HI,STEP: the largest T that fits, each probe a fresh process")
-    p.add_argument("--token-major-combine", action="store_true")
     p.add_argument("--name", default="scale")
     args = p.parse_args()
-    if args.token_major_combine:
-        os.environ["MOEBLAZE_WINDOW_COMBINE"] = "0"
     sweep = [int(v) for v in args.sweep.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
     if args.bisect:
@@ -151,7 +148,7 @@ def main() -> int:
             T = T * 2 if T < args.tokens * 4 else T + args.tokens * 2
     meta = dict(device=torch.cuda.get_device_name(), memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1),
                 torch=torch.__version__, commit=os.environ.get("MOEBLAZE_COMMIT", "unknown"), policy=args.policy,
-                shape=dict(d=d, h=h, E=E, K=K), token_major_combine=args.token_major_combine,
+                shape=dict(d=d, h=h, E=E, K=K),
                 env={k: v for k, v in os.environ.items() if k.startswith("MOEBLAZE_")})
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
