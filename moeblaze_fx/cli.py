@@ -116,7 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         bench_cli = None
     if bench_cli is not None:
-        bench_cli.add_bench_args(sub.add_parser("bench", help="one MoE layer across providers"))
+        bench_cli.add_bench_args(sub.add_parser(
+            "bench", help="one MoE layer across providers; 'bench models': real MoE model families, one training step"))
         bench_cli.add_compare_args(sub.add_parser("compare", help="before/after for a model"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
