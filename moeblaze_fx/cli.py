@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .bench.timing import StepTimes, spread_note
 from .memory import SavedTensorBytes
 
 __all__ = ["main", "demo"]
@@ -44,8 +45,8 @@ def _train(name: str, model: torch.nn.Module, step_loss: Callable[[torch.Tensor]
         saved = max(saved, saved_i)
         progress.set_postfix_str(f"{name} step {i + 1}/{len(batches)} loss {losses[-1]:.4f}")
         progress.update(1)
-    steady = sorted(times[1:]) if len(times) > 1 else times  # the first step compiles
-    return {"name": name, "losses": losses, "ms": 1e3 * steady[len(steady) // 2], "saved": saved, "peak": peak}
+    steady = StepTimes.of([1e3 * t for t in (times[1:] if len(times) > 1 else times)])  # the first step compiles
+    return {"name": name, "losses": losses, "ms": steady.median, "timed": steady, "saved": saved, "peak": peak}
 
 
 def demo(steps: int = 6, device: Optional[str] = None, dtype: str = "float32", tokens: int = 512,
@@ -73,7 +74,8 @@ def demo(steps: int = 6, device: Optional[str] = None, dtype: str = "float32", t
     ]
     results = []
     torch._dynamo.reset()
-    with tqdm(total=steps * len(variants), desc="training", file=out, leave=False) as progress:
+    # The bar goes to stderr: the report goes to `out`, and a piped log should not get the bar's carriage returns.
+    with tqdm(total=steps * len(variants), desc="training", file=sys.stderr, leave=False) as progress:
         for name, wrap in variants:
             model = copy.deepcopy(base)
             results.append(_train(name, model, wrap(model), batches, dev, progress))
@@ -84,12 +86,17 @@ def demo(steps: int = 6, device: Optional[str] = None, dtype: str = "float32", t
     print("\nCompile report", file=out)
     print(moeblaze_fx.report.format_table(report), file=out)
     eager = results[0]["losses"]
-    print("\n| variant | max loss diff vs eager | step ms (median) | saved for backward | peak memory |", file=out)
+    print("\n| variant | max loss diff vs eager | step ms (median, n steps) | saved for backward | peak memory |",
+          file=out)
     print("|---|---|---|---|---|", file=out)
     for r in results:
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager))
         peak = "-" if r["peak"] is None else f"{r['peak'] / 2**20:.1f} MB"
-        print(f"| {r['name']} | {diff:.2e} | {r['ms']:.1f} | {r['saved'] / 2**20:.2f} MB | {peak} |", file=out)
+        print(f"| {r['name']} | {diff:.2e} | {r['timed'].cell('.1f')} | {r['saved'] / 2**20:.2f} MB | {peak} |",
+              file=out)
+    note = spread_note([r["timed"].wide for r in results])
+    if note:
+        print(note, file=out)
     print(f"\nlosses (eager): {' '.join(f'{x:.4f}' for x in eager)}", file=out)
     if dev.type != "cuda":
         print("peak memory is measured on a GPU only; step times on a CPU say little about GPU speed.", file=out)
@@ -109,7 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         bench_cli = None
     if bench_cli is not None:
-        bench_cli.add_bench_args(sub.add_parser("bench", help="one MoE layer across providers"))
+        bench_cli.add_bench_args(sub.add_parser(
+            "bench", help="one MoE layer across providers; 'bench models': real MoE model families, one training step"))
         bench_cli.add_compare_args(sub.add_parser("compare", help="before/after for a model"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -3,6 +3,9 @@
     parser = subparsers.add_parser("bench"); add_bench_args(parser)      ->  run_bench(args) -> exit code
     parser = subparsers.add_parser("compare"); add_compare_args(parser)  ->  run_compare(args) -> exit code
 
+``moeblaze bench`` runs the layer benchmark (``layer.py``); ``moeblaze bench models`` the model benchmark
+(``models.py``: real model families, one training step, eager / Inductor / moeblaze).
+
 ``moeblaze compare`` builds a small MoE transformer of its own (``--model builtin``, experts written as
 Mixtral's per-expert loop) or a tiny Hugging Face model from its config with random weights
 (``--hf mixtral|qwen3|olmoe``; nothing is downloaded) and compares eager, ``torch.compile`` and
@@ -25,6 +28,8 @@ __all__ = [
     "run_bench",
     "add_compare_args",
     "run_compare",
+    "add_models_args",
+    "run_models",
     "build_compare_model",
     "DTYPES",
 ]
@@ -92,10 +97,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write bench.json, bench.md (and with --plot the PNGs) into DIR")
     parser.add_argument("--plot", action="store_true", help="write PNG charts (needs matplotlib) into --out or .")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    what = parser.add_subparsers(dest="bench_what", metavar="{models}",
+                                 help="'models': one training step of real MoE model families (moeblaze bench "
+                                      "models --help); without it, the layer benchmark above")
+    add_models_args(what.add_parser("models", help="one training step of real MoE model families"))
     return parser
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_what", None) == "models":
+        return run_models(args)
     from .layer import CONFIGS, parse_config, run_layer_bench, sweep_tokens
 
     problem = _check_device(args.device)
@@ -118,6 +129,14 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moeblaze bench: nothing to run: give --configs (from {','.join(CONFIGS)}), --config or --sweep",
               file=sys.stderr)
         return 2
+    if args.plot:
+        from .compare import check_plot_requirements
+
+        try:  # before any work: a missing plotting package must not cost the user a run
+            check_plot_requirements()
+        except RuntimeError as exc:
+            print(f"moeblaze bench: --plot: {exc}", file=sys.stderr)
+            return 2
     if torch.device(args.device).type == "cpu" and any(c.name in CONFIGS for c in configs):
         print("moeblaze bench: note: configs A-D are GPU-sized; on the CPU use --configs none --config T,d,h,E,K",
               file=sys.stderr)
@@ -132,6 +151,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     markdown = result.to_markdown()
     print(markdown)
+    sys.stdout.flush()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         result.to_json(os.path.join(args.out, "bench.json"))
@@ -151,6 +171,110 @@ def run_bench(args: argparse.Namespace) -> int:
             return 1
     failed = [r for r in result.rows if r["status"] == "error"]
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# moeblaze bench models
+# ---------------------------------------------------------------------------------------------
+MODELS_TOKENS = "4096,8192,16384"
+TINY_TOKENS = "64"
+
+
+def add_models_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .models import FAMILIES, MODEL_PROVIDERS
+
+    parser.description = (
+        "One training step (forward + loss + backward) of Hugging Face MoE model families built from their configs "
+        "with the block sizes of a published checkpoint and random weights (nothing is downloaded), for eager, "
+        "torch.compile (Inductor) and backend='moeblaze' in one process: step time, host time, peak memory, compile "
+        "time, MoE regions rewritten, loss agreement with eager.")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help="comma-separated from %(default)s (default: all)")
+    parser.add_argument("--tokens", default=None,
+                        help=f"tokens per step, comma-separated (default: {MODELS_TOKENS}; {TINY_TOKENS} with --tiny)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="sequence length; batch = tokens / seq (default: min(tokens, 2048); 32 with --tiny)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers, every one MoE (default: %(default)s)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (d=64, E=8) for a CPU")
+    parser.add_argument("--providers", default=",".join(MODEL_PROVIDERS),
+                        help="comma-separated from %(default)s (default: all)")
+    parser.add_argument("--fsdp-style", action="store_true",
+                        help="compile each decoder layer (model.model.layers[i]) on its own, as FSDP2 and "
+                             "torchtitan do, instead of the whole model")
+    parser.add_argument("--moe-share", action="store_true",
+                        help="also time Inductor with the experts modules replaced by a stand-in without GEMMs: the "
+                             "share of Inductor's step in the experts, and the best speed-up replacing them can give")
+    parser.add_argument("--override", action="append", default=[], metavar="[FAMILY.]KEY=VALUE",
+                        help="set a config field (JSON value) for one family or all, e.g. "
+                             "deepseek_v3.n_routed_experts=64 (repeatable)")
+    parser.add_argument("--moeblaze-options", default=None, metavar="JSON",
+                        help='backend options of the moeblaze provider, e.g. \'{"checkpoint": "recompute"}\'')
+    parser.add_argument("--device", default=_default_device(), help="cuda or cpu (default: %(default)s)")
+    parser.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 "
+                                                                   "on CPU)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps, the compiling one included "
+                                                              "(default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=8, help="timed steps, median reported (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--markdown", default=None, metavar="PATH", help="write the markdown table")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write models.json and models.md into DIR")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{what}: expected positive integers, got {text!r}")
+    return values
+
+
+def run_models(args: argparse.Namespace) -> int:
+    import json
+
+    from .models import parse_overrides, run_models_bench
+
+    problem = _check_device(args.device)
+    if problem:
+        print(f"moeblaze bench models: {problem}", file=sys.stderr)
+        return 2
+    try:
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
+        tokens = _int_list(args.tokens or (TINY_TOKENS if args.tiny else MODELS_TOKENS), "--tokens")
+        providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+        overrides = parse_overrides(args.override)
+        try:
+            options = json.loads(args.moeblaze_options) if args.moeblaze_options else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--moeblaze-options: not JSON ({exc}): {args.moeblaze_options!r}") from None
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"--moeblaze-options: expected a JSON object, got {args.moeblaze_options!r}")
+        result = run_models_bench(
+            families, tokens, layers=args.layers, seq=args.seq or (32 if args.tiny else None), tiny=args.tiny,
+            providers=providers, fsdp_style=args.fsdp_style, moe_share=args.moe_share, device=args.device,
+            dtype=args.dtype, warmup=args.warmup, reps=args.reps, moeblaze_options=options, overrides=overrides,
+            seed=args.seed, progress=not args.no_progress)
+    except (ValueError, RuntimeError) as exc:
+        print(f"moeblaze bench models: {exc}", file=sys.stderr)
+        return 2
+    markdown = result.to_markdown()
+    print(markdown)
+    sys.stdout.flush()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        result.to_json(os.path.join(args.out, "models.json"))
+        with open(os.path.join(args.out, "models.md"), "w") as f:
+            f.write(markdown)
+    if args.json:
+        result.to_json(args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown)
+    return 1 if any(r["status"] == "error" for r in result.rows) else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,12 +365,18 @@ def add_compare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from .compare import compare
+    from .compare import check_plot_requirements, compare, plot_compare
 
     problem = _check_device(args.device)
     if problem:
         print(f"moeblaze compare: {problem}", file=sys.stderr)
         return 2
+    if args.plot is not None:
+        try:  # before any work: a missing plotting package must not cost the user a run
+            check_plot_requirements()
+        except RuntimeError as exc:
+            print(f"moeblaze compare: --plot: {exc}", file=sys.stderr)
+            return 2
     dtype = args.dtype or (torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     try:
@@ -255,7 +385,6 @@ def run_compare(args: argparse.Namespace) -> int:
             h=args.expert_hidden, num_experts=args.experts, top_k=args.top_k, layers=args.layers, seed=args.seed)
         result = compare(model, inputs, loss_fn=loss_fn, policies=policies, steps=args.steps,
                          inductor=not args.no_inductor, compile_kwargs=compile_kwargs, seed=args.seed,
-                         plot=args.plot is not None, plot_path=args.plot or "moeblaze_compare.png",
                          progress=not args.no_progress)
     except (ValueError, RuntimeError) as exc:
         print(f"moeblaze compare: {exc}", file=sys.stderr)
@@ -266,8 +395,15 @@ def run_compare(args: argparse.Namespace) -> int:
     print(result.table())
     for variant in result.reports:
         print(f"{variant}:\n{result.report_text(variant)}\n")
+    sys.stdout.flush()
+    code = 0 if all(r.status == "ok" for r in result.rows) else 1
     if args.json:
         result.to_json(args.json)
-    if result.plot_path:
-        print(f"wrote {result.plot_path}")
-    return 0 if all(r.status == "ok" for r in result.rows) else 1
+    if args.plot is not None:
+        try:  # after the table is out: whatever happens to the plot, the results were printed
+            result.plot_path = plot_compare(result, args.plot)
+            print(f"wrote {result.plot_path}")
+        except (RuntimeError, OSError) as exc:
+            print(f"moeblaze compare: the plot was not written: {exc}", file=sys.stderr)
+            code = 1
+    return code

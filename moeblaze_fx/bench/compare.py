@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
+import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -27,8 +27,10 @@ from torch import Tensor
 
 from .. import report as _report
 from .layer import free_memory, is_oom, saved_activation_bytes, timer_label
+from .timing import StepTimes, spread_note
 
-__all__ = ["CompareRow", "CompareResult", "compare", "default_loss", "format_compare_table"]
+__all__ = ["CompareRow", "CompareResult", "compare", "default_loss", "format_compare_table",
+           "check_plot_requirements"]
 
 
 @dataclasses.dataclass
@@ -40,6 +42,10 @@ class CompareRow:
     max_grad_rel_err: Optional[float] = None
     worst_grad: Optional[str] = None  # the parameter or input with the largest gradient error
     step_ms: Optional[float] = None  # median over the timed steps
+    step_times_ms: Optional[list[float]] = None  # every timed step
+    steps_timed: Optional[int] = None
+    step_spread: Optional[float] = None  # (max - min) / median of the timed steps
+    wide_spread: Optional[bool] = None  # step_spread > timing.WIDE_SPREAD: the cell is marked, the table says so
     first_step_s: Optional[float] = None  # the warm-up step, compile included
     saved_bytes: Optional[int] = None
     peak_bytes: Optional[int] = None  # CUDA only
@@ -57,6 +63,7 @@ class CompareResult:
     reports: dict[str, list[dict[str, Any]]]  # variant -> compile-report records (RegionRecord.as_dict())
     meta: dict[str, Any]
     plot_path: Optional[str] = None
+    plot_error: Optional[str] = None  # why the plot was not written (the results stand without it)
 
     def row(self, variant: str) -> CompareRow:
         for r in self.rows:
@@ -203,10 +210,14 @@ def compare(
         compile_kwargs: extra ``torch.compile`` arguments for every compiled variant (``fullgraph=True``,
             ``dynamic=...``).
         moeblaze_options: extra backend options (e.g. ``{"verify": False}``).
-        plot: write a PNG of step time and memory per variant to ``plot_path``.
+        plot: write a PNG of step time and memory per variant to ``plot_path``. Its requirements (matplotlib)
+            are checked before any work starts; a plot that fails afterwards leaves ``plot_error`` set and the
+            results returned.
     """
     if steps < 1:
         raise ValueError(f"compare: steps must be >= 1, got {steps}")
+    if plot:
+        check_plot_requirements()
     loss_fn = loss_fn or default_loss
     compile_kwargs = dict(compile_kwargs or {})
     for key in ("backend", "options"):
@@ -232,7 +243,7 @@ def compare(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(variants), desc="moeblaze compare", unit="variant")
+        bar = tqdm(total=len(variants), desc="moeblaze compare", unit="variant", file=sys.stderr)
     try:
         for name, make in variants:
             if bar is not None:
@@ -274,7 +285,10 @@ def compare(
     }
     result = CompareResult(rows, reports, meta)
     if plot:
-        result.plot_path = plot_compare(result, plot_path)
+        try:
+            result.plot_path = plot_compare(result, plot_path)
+        except (RuntimeError, OSError) as exc:
+            result.plot_error = f"{type(exc).__name__}: {exc}"
     return result
 
 
@@ -310,7 +324,12 @@ def _run_variant(name: str, make: Callable[[], Callable[..., Any]], runner: _Run
                 t0 = time.perf_counter()
                 runner.step(fn)
                 times.append((time.perf_counter() - t0) * 1e3)
-        row.step_ms = statistics.median(times)
+        timed = StepTimes.of(times)
+        row.step_ms = timed.median
+        row.step_times_ms = list(timed.times_ms)
+        row.steps_timed = timed.n
+        row.step_spread = timed.spread
+        row.wide_spread = timed.wide
 
         runner.zero_grads()
         params = [p for _, p in runner.params]
@@ -385,7 +404,7 @@ def format_compare_table(result: CompareResult) -> str:
         f"{m['device']}, torch {m['torch']}, {m['dtype']}; step = forward + loss + backward, "
         f"{m['timer']} (first step excluded).",
         "",
-        "| variant | loss | loss rel diff | max grad rel err | step ms | first step s | saved MB | peak MB | "
+        "| variant | loss | loss rel diff | max grad rel err | step ms (n steps) | first step s | saved MB | peak MB | "
         "MoE regions | note |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -394,22 +413,34 @@ def format_compare_table(result: CompareResult) -> str:
         note = r.note if r.status == "ok" else f"{r.status}: {r.note}" if r.note else r.status
         if r.worst_grad and r.max_grad_rel_err:
             note = "; ".join(filter(None, [note, f"worst grad: {r.worst_grad}"]))
+        step = StepTimes.of(r.step_times_ms).cell(".2f") if r.step_times_ms else _fmt(r.step_ms, ".2f")
         lines.append(
             f"| {r.variant} | {_fmt(r.loss, '.6g')} | {_fmt(r.loss_rel_diff, '.1e')} | "
-            f"{_fmt(r.max_grad_rel_err, '.1e')} | {_fmt(r.step_ms, '.2f')} | {_fmt(r.first_step_s, '.1f')} | "
+            f"{_fmt(r.max_grad_rel_err, '.1e')} | {step} | {_fmt(r.first_step_s, '.1f')} | "
             f"{_mb(r.saved_bytes)} | {_mb(r.peak_bytes)} | {regions} | {note.replace('|', '/')} |"
         )
+    note = spread_note([r.wide_spread for r in result.rows])
+    if note:
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
-def plot_compare(result: CompareResult, path: str) -> str:
+def check_plot_requirements() -> None:
+    """Raise ``RuntimeError`` (what is missing, how to install it) when a plot cannot be drawn here."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise RuntimeError("plot=True needs matplotlib (pip install matplotlib, or moeblaze-fx[bench])") from exc
+        raise RuntimeError("plotting needs matplotlib, which is not installed: pip install matplotlib (or "
+                           "'moeblaze-fx[bench]'), or leave out the plot") from exc
+
+
+def plot_compare(result: CompareResult, path: str) -> str:
+    check_plot_requirements()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ok = [r for r in result.rows if r.status == "ok"]
     metrics = [("step_ms", "step time (ms)", 1.0), ("saved_bytes", "saved activations (MB)", 2 ** -20)]
     if any(r.peak_bytes is not None for r in ok):

@@ -29,7 +29,7 @@ __all__ = [
     "format_variant_table",
 ]
 
-# Measured device-to-device copy rates (read + write), /work/shared/BENCHMARKS.md "Ceilings".
+# Measured device-to-device copy rates (read + write), docs/benchmarks.md "Ceilings" (H100 and H200, 2026-11).
 _HBM_TB_S = {"H100": 3.0, "H200": 4.3}
 
 

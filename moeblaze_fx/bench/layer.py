@@ -55,6 +55,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -64,6 +65,7 @@ from ..memory import saved_activation_bytes  # noqa: F401  (compare.py reads it 
 import torch.nn.functional as F
 from torch import Tensor
 
+from .timing import SPREAD_MARK, StepTimes, spread_note
 from ..kernels.reference import ExpertParams, activation_forward, moe_ffn_reference, parse_activation, split_gate_up
 
 __all__ = [
@@ -84,7 +86,7 @@ __all__ = [
 log = logging.getLogger("moeblaze_fx")
 
 FLOPS_PER_TOKEN_CHOICE = 18  # 3 GEMMs forward (2*d*2h + 2*h*d = 6dh), 6 backward: 18*d*h per (token, choice)
-DENSE_GEMM_N_CUDA = 8192  # the ceiling BENCHMARKS.md quotes: 8192^3 bf16
+DENSE_GEMM_N_CUDA = 8192  # the ceiling docs/benchmarks.md quotes: 8192^3 bf16
 DENSE_GEMM_N_CPU = 1024
 L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, H200 60 MB)
 ROTATION_BYTES = 512 << 20  # input sets rotated between timed steps: at most this many bytes of them
@@ -117,7 +119,7 @@ class LayerConfig:
         return (self.T, self.d, self.h, self.E, self.K)
 
 
-# The configurations of BENCHMARKS.md (peers measured there on an H200).
+# The configurations of docs/benchmarks.md (peers measured there on an H200, 2026-11-21).
 CONFIGS: dict[str, LayerConfig] = {
     "A": LayerConfig("A", 32768, 2048, 8192, 16, 4, "large experts"),
     "B": LayerConfig("B", 16384, 4096, 14336, 8, 2, "Mixtral-like"),
@@ -538,20 +540,25 @@ def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int,
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def time_steps(step: Callable[[int], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
-    """Median step time in ms, and how it was measured."""
+def step_times(step: Callable[[int], Any], device: torch.device, warmup: int, reps: int) -> list[float]:
+    """Each of ``reps`` timed steps' time in ms after ``warmup`` untimed ones (CUDA events, or the wall clock on the
+    CPU)."""
     for i in range(warmup):
         step(i)
     _sync(device)
     if device.type == "cuda":
-        times = cuda_step_times(step, device, reps, warmup)
-    else:
-        times = []
-        for i in range(reps):
-            t0 = time.perf_counter()
-            step(warmup + i)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), timer_label(device, warmup, reps)
+        return cuda_step_times(step, device, reps, warmup)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        step(warmup + i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_steps(step: Callable[[int], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
+    """Median step time in ms, and how it was measured."""
+    return statistics.median(step_times(step, device, warmup, reps)), timer_label(device, warmup, reps)
 
 
 def dense_gemm_rate(device: torch.device, dtype: torch.dtype, warmup: int = 3, reps: int = 10) -> dict[str, Any]:
@@ -586,6 +593,9 @@ def _row(cfg: LayerConfig, provider: str, section: str, **fields: Any) -> dict[s
         "provider": provider,
         "status": "ok",
         "ms": None,
+        "steps_timed": None,
+        "ms_spread": None,  # (max - min) / median of the timed steps
+        "wide_spread": None,  # ms_spread > timing.WIDE_SPREAD: the ms cell is marked and the table says why
         "tflops": None,
         "frac_dense_gemm": None,
         "saved_bytes": None,
@@ -608,8 +618,12 @@ def _measure(layer: Callable[..., tuple[Tensor, Tensor]], cfg: LayerConfig, inpu
     _sync(device)
     out["first_step_s"] = time.perf_counter() - t0
 
-    ms, _ = time_steps(lambda i: _grads(layer, inputs, i), device, max(warmup - 1, 0), reps)
+    timed = StepTimes.of(step_times(lambda i: _grads(layer, inputs, i), device, max(warmup - 1, 0), reps))
+    ms = timed.median
     out["ms"] = ms
+    out["steps_timed"] = timed.n
+    out["ms_spread"] = timed.spread
+    out["wide_spread"] = timed.wide
     out["tflops"] = layer_flops(cfg) / ms / 1e9
     out["frac_dense_gemm"] = out["tflops"] / dense_tflops if dense_tflops else None
 
@@ -762,7 +776,9 @@ def _progress(total: int, enabled: bool):
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is a dependency; stay usable without it
         return None
-    return tqdm(total=total, disable=not enabled, desc="moeblaze bench", unit="run", dynamic_ncols=True)
+    # stderr: the tables go to stdout, and a piped log should not get the bar's carriage returns
+    return tqdm(total=total, disable=not enabled, desc="moeblaze bench", unit="run", dynamic_ncols=True,
+                file=sys.stderr)
 
 
 def run_layer_bench(
@@ -894,7 +910,7 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
     # Every shape compiles afresh, with static shapes, as a model trained at one shape would. Without this a
     # compiled provider's second shape is a recompile, for which Dynamo makes the changed sizes dynamic
     # ("automatic dynamic shapes"), and every later shape runs those generic kernels (H100, config C: 15.4 ms
-    # after A and B had run, 10.0 ms compiled first; benchmarks/RESULTS.md, eighth session).
+    # after A and B had run, 10.0 ms compiled first; measured on an H100, 2026-11, see docs/benchmarks.md).
     torch._dynamo.reset()
     try:
         inputs = make_inputs(cfg, device, dtype, seed)
@@ -1022,13 +1038,17 @@ def format_markdown(result: BenchResult) -> str:
                 cells = [status] + ["-"] * 6
             else:
                 frac = None if r["frac_dense_gemm"] is None else 100 * r["frac_dense_gemm"]
-                cells = [_fmt(r["ms"], ".2f"), _fmt(r["tflops"], ".1f"), _fmt(frac, ".0f"), _mb(r["saved_bytes"]),
+                ms_cell = _fmt(r["ms"], ".2f") + (SPREAD_MARK if r.get("wide_spread") else "")
+                cells = [ms_cell, _fmt(r["tflops"], ".1f"), _fmt(frac, ".0f"), _mb(r["saved_bytes"]),
                          _mb(r["peak_bytes"]), _fmt(r["max_rel_err"], ".1e")]
             note = r["note"].replace("|", "/")
             lines.append(f"| {cfg_cell} | {r['provider']} | " + " | ".join(cells) + f" | {note} |")
         lines.append("")
         if section == "sweep":
             lines += _sweep_grid(rows)
+    note = spread_note([r.get("wide_spread") for r in result.rows])
+    if note:
+        lines += [note, ""]
     if m.get("not_run"):
         lines.append("Not run: " + "; ".join(m["not_run"]) + ".")
         lines.append("")

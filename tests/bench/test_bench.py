@@ -222,9 +222,10 @@ def test_json_schema(all_providers):
     int_keys = ("T", "d", "h", "E", "K", "saved_bytes")
     float_keys = ("ms", "tflops", "frac_dense_gemm", "max_rel_err", "first_step_s")
     for r in data["rows"]:
-        assert set(r) == {"section", "config", "T", "d", "h", "E", "K", "provider", "status", "ms", "tflops",
-                          "frac_dense_gemm", "saved_bytes", "peak_bytes", "max_rel_err", "rel_err",
-                          "first_step_s", "note"}
+        assert set(r) == {"section", "config", "T", "d", "h", "E", "K", "provider", "status", "ms", "steps_timed",
+                          "ms_spread", "wide_spread", "tflops", "frac_dense_gemm", "saved_bytes", "peak_bytes",
+                          "max_rel_err", "rel_err", "first_step_s", "note"}
+        assert r["steps_timed"] == meta["reps"] and isinstance(r["wide_spread"], bool)
         assert all(isinstance(r[k], int) for k in int_keys)
         assert all(isinstance(r[k], float) and r[k] >= 0 for k in float_keys)
         assert r["peak_bytes"] is None  # CPU
@@ -247,7 +248,8 @@ def test_markdown_table(all_providers):
     for line, row in zip(body, all_providers.rows):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 9
-        assert float(cells[2]) == pytest.approx(row["ms"], abs=0.005, rel=0.05)  # two decimals
+        assert cells[2].endswith("*") is row["wide_spread"]  # a wide spread of the timed steps is marked
+        assert float(cells[2].rstrip("*")) == pytest.approx(row["ms"], abs=0.005, rel=0.05)  # two decimals
         assert cells[6] == "-"  # no peak memory on the CPU
         assert float(cells[7]) == pytest.approx(row["max_rel_err"], rel=0.06)
     assert ("Skipped providers: moeblaze-graphs: CUDA graphs need a CUDA device; hf-grouped-mm-graphs: CUDA graphs "

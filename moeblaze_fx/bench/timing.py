@@ -1,0 +1,68 @@
+"""How many steps a time is from, and whether they agree well enough to mean something.
+
+A median of two or three steps on a busy CPU can be off by a factor; a table that prints it beside a careful GPU
+median invites a wrong comparison. Every benchmark of this package therefore keeps, with a median step time, the
+number of steps it came from and their spread, ``(max - min) / median``. A spread above ``WIDE_SPREAD`` marks the
+time's cell with ``*`` and the table prints ``SPREAD_NOTE`` once below itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Optional, Sequence
+
+__all__ = ["WIDE_SPREAD", "SPREAD_MARK", "SPREAD_NOTE", "StepTimes", "spread_note"]
+
+WIDE_SPREAD = 0.25  # (max - min) / median above this: the steps disagree by more than a quarter of the time shown
+SPREAD_MARK = "*"
+SPREAD_NOTE = (f"{SPREAD_MARK} the timed steps of this cell spread by more than {WIDE_SPREAD:.0%} of their median "
+               "((max - min) / median): the machine was busy or the steps differ; take the time as rough, or rerun "
+               "with more steps on an idle machine.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """The step times (ms) of one measurement."""
+
+    times_ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.times_ms:
+            raise ValueError("StepTimes needs at least one step time")
+
+    @classmethod
+    def of(cls, times_ms: Sequence[float]) -> "StepTimes":
+        return cls(tuple(float(t) for t in times_ms))
+
+    @property
+    def n(self) -> int:
+        return len(self.times_ms)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def spread(self) -> float:
+        """``(max - min) / median``; 0 for a single step (nothing to compare it with)."""
+        med = self.median
+        if med <= 0:
+            return 0.0
+        return (max(self.times_ms) - min(self.times_ms)) / med
+
+    @property
+    def wide(self) -> bool:
+        return self.spread > WIDE_SPREAD
+
+    def cell(self, spec: str = ".2f") -> str:
+        """``"12.34 (n=3)"``, with ``SPREAD_MARK`` appended when the spread is wide."""
+        return f"{format(self.median, spec)} (n={self.n})" + (SPREAD_MARK if self.wide else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"median_ms": self.median, "n": self.n, "min_ms": min(self.times_ms), "max_ms": max(self.times_ms),
+                "spread": self.spread, "wide_spread": self.wide}
+
+
+def spread_note(flags: Sequence[Optional[bool]]) -> Optional[str]:
+    """``SPREAD_NOTE`` when any cell was flagged, else None."""
+    return SPREAD_NOTE if any(bool(f) for f in flags) else None
