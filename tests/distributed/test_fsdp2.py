@@ -41,11 +41,12 @@ REFERENCE_CASES = [
     Case("blocks-inductor-adamw", inductor=True),
 ]
 # MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) over float32 master weights: compiled per block against
-# FSDP2 without compile under the same policy.
+# FSDP2 without compile under the same policy. SGD: AdamW divides each gradient by its own running scale, which turns
+# 16-bit rounding in near-zero gradients into whole learning-rate steps (measured: up to 3e-2 apart after 3 steps).
 MIXED = ("bfloat16", "float16")
 MIXED_CASES = [case for mixed in MIXED for case in (
-    Case(f"blocks-mixed-{mixed}", mixed=mixed, dtype="float32"),
-    Case(f"uncompiled-mixed-{mixed}", compile="none", mixed=mixed, dtype="float32"))]
+    Case(f"blocks-mixed-{mixed}", mixed=mixed, dtype="float32", optimizer="sgd"),
+    Case(f"uncompiled-mixed-{mixed}", compile="none", mixed=mixed, dtype="float32", optimizer="sgd"))]
 
 # Counters on every rank. The two blocks are one class: Dynamo traces the parameters as graph inputs
 # (inline_inbuilt_nn_modules), so the second block runs the graph compiled for the first and one region is
@@ -64,8 +65,9 @@ EXPECTED_OP_CALLS_CHECKPOINTED = {"moeblaze::moe_ffn": 4, "moeblaze::moe_ffn_bac
 TOL_FLOAT64 = 1e-12
 TOL_FLOAT64_INDUCTOR = 1e-6
 # The compiled block computes the region in the policy's dtype as eager does, but the operator accumulates in
-# float32 where eager rounds each expert's output: a few units of the 16-bit dtype's rounding.
-TOL_MIXED = {"bfloat16": 2e-2, "float16": 4e-3}
+# float32 where eager rounds each expert's output: about two units of the 16-bit dtype's rounding (2^-8, 2^-11).
+# Measured 2026-11-27 (CPU, torch 2.13): losses 3e-4 / 4e-5 apart, parameters 1.6e-3 / 1.9e-4.
+TOL_MIXED = {"bfloat16": 8e-3, "float16": 1e-3}
 
 
 def run_ranks(tmp_path, cases: list[Case], deadline_s: float = SPAWN_DEADLINE_S) -> list[dict]:
