@@ -39,6 +39,7 @@ class Case:
     mixed: Optional[str] = None  # None, "bfloat16" or "float16": MixedPrecisionPolicy(param_dtype=..., reduce fp32)
     checkpoint: bool = False  # torch.utils.checkpoint around each block (checkpoint_wrapper)
     optimizer: str = "adamw"  # "adamw" or "sgd"
+    lr: Optional[float] = None  # None: 1e-2 for AdamW, 5e-2 for SGD
     inductor: bool = False  # the backend's "inductor" option; False runs the rewritten graph without Inductor
     dtype: str = "float64"  # the parameters' dtype (the master weights under a mixed-precision policy)
     steps: int = 3
@@ -79,9 +80,9 @@ def batches(size: Size, world: int, steps: int, device: torch.device, seed: int 
 def _optimizer(case: Case, params) -> torch.optim.Optimizer:
     if case.optimizer == "adamw":
         # foreach=False: the per-parameter loop, the same arithmetic on a DTensor shard and on a whole tensor
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+        return torch.optim.AdamW(params, lr=case.lr or 1e-2, weight_decay=0.1, foreach=False)
     if case.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=5e-2, momentum=0.9, foreach=False)
+        return torch.optim.SGD(params, lr=case.lr or 5e-2, momentum=0.9, foreach=False)
     raise ValueError(f"unknown optimizer {case.optimizer!r}; use 'adamw' or 'sgd'")
 
 
@@ -134,6 +135,9 @@ def train_fsdp2(case: Case, size: Size, device: torch.device, seed: int = 0) -> 
     from torch._dynamo.utils import counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if case.steps < 2:
+        raise ValueError(f"case {case.name!r}: steps={case.steps}; at least 2 (the operator calls are counted in the "
+                         f"last step, after the first step's compile, whose proof runs the operator too)")
     if case.raise_on_rank == rank:
         raise RuntimeError(f"failure injected on rank {rank} by case {case.name!r}")
     torch._dynamo.reset()
@@ -147,7 +151,8 @@ def train_fsdp2(case: Case, size: Size, device: torch.device, seed: int = 0) -> 
     for step, tokens in enumerate(batches(size, world, case.steps, device)):
         mine = tokens[rank * size.batch_per_rank:(rank + 1) * size.batch_per_rank]
         # the last step under the profiler: how often each MoEBlaze operator ran (the counters say what was
-        # compiled; this says that every block runs the operator, the blocks that share one compiled graph too)
+        # compiled; this says that every block runs the operator, the blocks that share one compiled graph too).
+        # Not the first step: the compile's proof runs the operator as well.
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == case.steps - 1 \
                 else contextlib.nullcontext() as prof:
             with capture_config(case):

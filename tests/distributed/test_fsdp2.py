@@ -11,6 +11,10 @@ with its traceback (:func:`test_a_failing_rank_fails_the_test_and_stops_the_othe
 """
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -154,3 +158,15 @@ def test_a_failing_rank_fails_the_test_and_stops_the_others(tmp_path):
     assert (tmp_path / "rank1.err").read_text().rstrip().endswith("failure injected on rank 1 by case "
                                                                   "'injected-failure'")
     assert not (tmp_path / "rank0.pt").exists()
+
+
+def test_gpu_script_imports_and_asks_for_torchrun():
+    """run_nccl.py (the NCCL check, run on GPUs by hand) imports cleanly and, started without torchrun, says how to
+    start it instead of waiting in init_process_group for ranks that never come. Its training logic is
+    fsdp2_cases', which the tests above run."""
+    script = pathlib.Path(__file__).with_name("run_nccl.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--backend", "gloo"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "run under torchrun: torchrun --nproc-per-node 2 tests/distributed/run_nccl.py" in done.stderr
