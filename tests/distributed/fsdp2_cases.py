@@ -40,6 +40,8 @@ class Case:
     checkpoint: bool = False  # torch.utils.checkpoint around each block (checkpoint_wrapper)
     optimizer: str = "adamw"  # "adamw" or "sgd"
     lr: Optional[float] = None  # None: 1e-2 for AdamW, 5e-2 for SGD
+    # compile="model": let Dynamo capture ops with data-dependent output shapes (see capture_config)
+    capture_dynamic_output_shapes: bool = True
     inductor: bool = False  # the backend's "inductor" option; False runs the rewritten graph without Inductor
     dtype: str = "float64"  # the parameters' dtype (the master weights under a mixed-precision policy)
     steps: int = 3
@@ -119,7 +121,7 @@ def capture_config(case: Case):
     """The Dynamo settings a case trains under. Without fullgraph=True, Dynamo breaks the graph at a
     data-dependent output shape (the ``torch.where`` of TinyMoETransformer's per-expert loop) unless it may
     capture such ops, and a region split by graph breaks is never rewritten."""
-    if case.compile == "model":
+    if case.compile == "model" and case.capture_dynamic_output_shapes:
         return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
     return contextlib.nullcontext()
 

@@ -43,6 +43,8 @@ REFERENCE_CASES = [
     Case("model-after-shard-checkpointed-sgd", compile="model", checkpoint=True, optimizer="sgd",
          reshard_after_forward=False),
     Case("blocks-inductor-adamw", inductor=True),
+    # negative: without fullgraph=True Dynamo splits the per-expert loop at torch.where, and nothing is rewritten
+    Case("model-after-shard-split-loop-adamw", compile="model", capture_dynamic_output_shapes=False),
 ]
 # MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) over float32 master weights: compiled per block against
 # FSDP2 without compile under the same policy. SGD: AdamW divides each gradient by its own running scale, which turns
@@ -60,6 +62,13 @@ MIXED_CASES = [case for mixed in MIXED for case in (
 EXPECTED_COUNTERS = {"rewritten": 1}
 EXPECTED_OP_CALLS = {"moeblaze::moe_ffn": 2, "moeblaze::moe_ffn_backward": 2}
 EXPECTED_OP_CALLS_CHECKPOINTED = {"moeblaze::moe_ffn": 4, "moeblaze::moe_ffn_backward": 2}
+
+
+def expected(case: Case) -> tuple[dict, dict]:
+    """The counters and the last step's operator calls every rank must report for ``case``."""
+    if case.compile == "none" or not case.capture_dynamic_output_shapes:
+        return {}, {}  # the region split by graph breaks (a candidate is never found in half a loop)
+    return EXPECTED_COUNTERS, EXPECTED_OP_CALLS_CHECKPOINTED if case.checkpoint else EXPECTED_OP_CALLS
 
 # Relative error of the losses and of every parameter after the last step. float64 without Inductor: the same
 # arithmetic up to summation order. With Inductor: the router's float32 softmax (TinyMoETransformer's
@@ -112,9 +121,9 @@ def test_ranks_import_this_checkout(fsdp_results):
 
 @pytest.mark.parametrize("case", REFERENCE_CASES, ids=lambda c: c.name)
 def test_matches_single_process_reference(fsdp_results, case):
-    assert _per_rank(fsdp_results, case.name, "counters") == [EXPECTED_COUNTERS] * WORLD
-    op_calls = EXPECTED_OP_CALLS_CHECKPOINTED if case.checkpoint else EXPECTED_OP_CALLS
-    assert _per_rank(fsdp_results, case.name, "op_calls") == [op_calls] * WORLD
+    want_counters, want_op_calls = expected(case)
+    assert _per_rank(fsdp_results, case.name, "counters") == [want_counters] * WORLD
+    assert _per_rank(fsdp_results, case.name, "op_calls") == [want_op_calls] * WORLD
 
     want = train_reference(case, SIZE, WORLD, torch.device("cpu"))
     tol = TOL_FLOAT64_INDUCTOR if case.inductor else TOL_FLOAT64
@@ -132,7 +141,9 @@ def test_matches_single_process_reference(fsdp_results, case):
 @pytest.mark.parametrize("mixed", MIXED)
 def test_mixed_precision_matches_uncompiled_fsdp2(fsdp_results, mixed):
     compiled, eager = f"blocks-mixed-{mixed}", f"uncompiled-mixed-{mixed}"
-    # the region computes in the policy's dtype inside the compiled block, and is rewritten there
+    # FSDP2 casts the gathered parameters and the block's inputs in its hooks, outside the compiled graph: the graph's
+    # region is 16-bit throughout (no casts in it), and it is rewritten (observed {"rewritten": 1} on each rank,
+    # torch 2.13, 2026-11-27). A region with casts written in forward or under autocast is another matter.
     assert _per_rank(fsdp_results, compiled, "counters") == [EXPECTED_COUNTERS] * WORLD
     assert _per_rank(fsdp_results, compiled, "op_calls") == [EXPECTED_OP_CALLS] * WORLD
     assert _per_rank(fsdp_results, eager, "counters") == [{}] * WORLD
