@@ -135,6 +135,9 @@ def train_fsdp2(case: Case, size: Size, device: torch.device, seed: int = 0) -> 
     """Run ``case`` on this rank (the process group is up); every rank returns the same global losses and full
     parameters, and its own moeblaze counters."""
     from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moeblaze_fx
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if case.steps < 2:
@@ -144,8 +147,6 @@ def train_fsdp2(case: Case, size: Size, device: torch.device, seed: int = 0) -> 
         raise RuntimeError(f"failure injected on rank {rank} by case {case.name!r}")
     torch._dynamo.reset()
     counters.clear()
-    from torch.distributed.device_mesh import init_device_mesh
-
     model = build_model(size, getattr(torch, case.dtype), device, seed)
     run = shard_and_compile(model, case, init_device_mesh(device.type, (world,)))
     opt = _optimizer(case, model.parameters())
@@ -169,8 +170,6 @@ def train_fsdp2(case: Case, size: Size, device: torch.device, seed: int = 0) -> 
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append((total / world).cpu())
-    import moeblaze_fx
-
     params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
     return {"losses": torch.stack(losses), "params": params, "counters": dict(counters["moeblaze"]),
             "op_calls": op_calls, "package": moeblaze_fx.__file__}
@@ -187,12 +186,12 @@ def train_reference(case: Case, size: Size, world: int, device: torch.device, se
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach().cpu())
-    # checkpoint_wrapper names its child "_checkpoint_wrapped_module": compare by the reference's names
     return {"losses": torch.stack(losses), "params": {n: p.detach().cpu() for n, p in model.named_parameters()}}
 
 
 def canonical(name: str) -> str:
-    """A parameter's name without the wrappers' parts (checkpoint_wrapper, torch.compile)."""
+    """A parameter's name without the wrappers' parts (checkpoint_wrapper's ``_checkpoint_wrapped_module``,
+    torch.compile's ``_orig_mod``): the reference model's name for it."""
     for part in ("_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(part, "")
     return name
