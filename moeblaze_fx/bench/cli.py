@@ -3,8 +3,10 @@
     parser = subparsers.add_parser("bench"); add_bench_args(parser)      ->  run_bench(args) -> exit code
     parser = subparsers.add_parser("compare"); add_compare_args(parser)  ->  run_compare(args) -> exit code
 
-``moeblaze bench`` runs the layer benchmark (``layer.py``); ``moeblaze bench models`` the model benchmark
-(``models.py``: real model families, one training step, eager / Inductor / moeblaze).
+``moeblaze bench`` runs the layer benchmark (``layer.py``) on shapes A-D, on a named set (``--configs sonic``:
+SonicMoE's H100 grid; ``--configs operator``: the operator alone at per-GPU token counts) or on single named shapes
+(``--configs sonic-7b-256``); ``moeblaze bench models`` the model benchmark (``models.py``: real model families, one
+training step, eager / Inductor / moeblaze).
 
 ``moeblaze compare`` builds a small MoE transformer of its own (``--model builtin``, experts written as
 Mixtral's per-expert loop) or a tiny Hugging Face model from its config with random weights
