@@ -3,8 +3,10 @@
     parser = subparsers.add_parser("bench"); add_bench_args(parser)      ->  run_bench(args) -> exit code
     parser = subparsers.add_parser("compare"); add_compare_args(parser)  ->  run_compare(args) -> exit code
 
-``moeblaze bench`` runs the layer benchmark (``layer.py``); ``moeblaze bench models`` the model benchmark
-(``models.py``: real model families, one training step, eager / Inductor / moeblaze).
+``moeblaze bench`` runs the layer benchmark (``layer.py``) on shapes A-D, on a named set (``--configs sonic``:
+SonicMoE's H100 grid; ``--configs operator``: the operator alone at per-GPU token counts) or on single named shapes
+(``--configs sonic-7b-256``); ``moeblaze bench models`` the model benchmark (``models.py``: real model families, one
+training step, eager / Inductor / moeblaze).
 
 ``moeblaze compare`` builds a small MoE transformer of its own (``--model builtin``, experts written as
 Mixtral's per-expert loop) or a tiny Hugging Face model from its config with random weights
@@ -59,14 +61,15 @@ def _check_device(device: str) -> Optional[str]:
 # moeblaze bench
 # ---------------------------------------------------------------------------------------------
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .layer import CONFIGS, PROVIDERS, SWEEP_SHAPE
+    from .layer import CONFIG_SETS, CONFIGS, PROVIDERS, SWEEP_SHAPE
 
     parser.description = (
         "One MoE layer, forward + backward, router included (linear -> softmax -> top-k -> renormalize), "
-        "for several implementations. FLOPs = 18*T*K*d*h.")
+        "for several implementations. FLOPs = 18*T*K*d*h; forward and backward are also timed apart.")
+    sets = "; ".join(f"'{name}': {', '.join(cfgs)}" for name, cfgs in CONFIG_SETS.items())
     parser.add_argument("--configs", default="A,B,C,D",
-                        help=f"built-in configurations to run, comma-separated from {','.join(CONFIGS)}, or "
-                             "'none' (default: A,B,C,D)")
+                        help=f"built-in configurations to run, comma-separated: {','.join(CONFIGS)}, a named set "
+                             f"(all its shapes) or one shape of a set ({sets}), or 'none' (default: A,B,C,D)")
     parser.add_argument("--config", action="append", default=[], metavar="T,d,h,E,K",
                         help="an extra layer shape (repeatable)")
     parser.add_argument("--providers", default=None,
@@ -107,15 +110,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace) -> int:
     if getattr(args, "bench_what", None) == "models":
         return run_models(args)
-    from .layer import CONFIGS, parse_config, run_layer_bench, sweep_tokens
+    from .layer import NAMED_CONFIGS, parse_config, parse_configs, run_layer_bench, sweep_tokens
 
     problem = _check_device(args.device)
     if problem:
         print(f"moeblaze bench: {problem}", file=sys.stderr)
         return 2
     try:
-        names = [] if args.configs.strip().lower() in ("", "none") else [c.strip() for c in args.configs.split(",")]
-        configs = [parse_config(n) for n in names]
+        configs = parse_configs(args.configs)
         configs += [parse_config(c) for c in args.config]
         providers = None if not args.providers else [p.strip() for p in args.providers.split(",") if p.strip()]
         sweep_shape = tuple(int(v) for v in args.sweep_shape.split(","))
@@ -126,8 +128,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moeblaze bench: {exc}", file=sys.stderr)
         return 2
     if not configs and not sweep:
-        print(f"moeblaze bench: nothing to run: give --configs (from {','.join(CONFIGS)}), --config or --sweep",
-              file=sys.stderr)
+        print("moeblaze bench: nothing to run: give --configs (A-D, sonic, operator or a shape's name), --config or "
+              "--sweep", file=sys.stderr)
         return 2
     if args.plot:
         from .compare import check_plot_requirements
@@ -137,9 +139,9 @@ def run_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"moeblaze bench: --plot: {exc}", file=sys.stderr)
             return 2
-    if torch.device(args.device).type == "cpu" and any(c.name in CONFIGS for c in configs):
-        print("moeblaze bench: note: configs A-D are GPU-sized; on the CPU use --configs none --config T,d,h,E,K",
-              file=sys.stderr)
+    if torch.device(args.device).type == "cpu" and any(NAMED_CONFIGS.get(c.name) == c for c in configs):
+        print("moeblaze bench: note: the built-in configs (A-D, sonic, operator) are GPU-sized; on the CPU use "
+              "--configs none --config T,d,h,E,K", file=sys.stderr)
     try:
         result = run_layer_bench(
             configs, providers, device=args.device, dtype=args.dtype, sweep=sweep, sweep_shape=sweep_shape,

@@ -40,6 +40,21 @@ peak allocation above the step's start (CUDA only), and the relative error ``||o
 of the output and of every gradient against ``moe_ffn_reference`` in float32 on the same inputs and
 the same expert choices. A provider that runs out of memory gets an "out of memory" row; memory is
 freed and the run goes on (in the token sweep that provider stops there).
+
+Each step is also split in two (``split_step_times``): ``fwd ms`` runs from the step's start to an event
+recorded when the forward (router included) has returned, ``bwd ms`` from that event to the step's end, so the
+backward is timed alone inside the same step (not as fwd+bwd minus a separate forward). Both are GPU-timeline
+intervals: where the host is slower than the GPU they include the GPU's wait for launches. TFLOP/s of the forward
+count 6*T*K*d*h, of the backward 12*T*K*d*h. On CUDA every row also has ``host ms``, the host's time to enqueue
+one step (forward + backward) started on an idle GPU, with no synchronisation inside (``timing.host_enqueue_ms``);
+the CPU has no such column (its step time is already wall time).
+
+Named sets of shapes beside A-D (``--configs sonic``, ``--configs operator``, or one shape by name):
+``sonic``, SonicMoE's H100 grid (issue 42; its published TFLOP/s and activation memory are carried as a reference,
+not measured here), and ``operator``, the operator alone at per-GPU token counts (issue 39). Every row also carries
+the tile-quantization waste of its shape's routing for the operator's dispatch plan: the padded rows
+``sum_e ceil(count_e / block_m) * block_m`` against the real ``T*K`` rows (``tile_rows``, computed once per shape
+outside the timed steps).
 """
 from __future__ import annotations
 
@@ -65,12 +80,21 @@ from ..memory import saved_activation_bytes  # noqa: F401  (compare.py reads it 
 import torch.nn.functional as F
 from torch import Tensor
 
-from .timing import SPREAD_MARK, StepTimes, spread_note
+from .timing import SPREAD_MARK, StepTimes, host_enqueue_ms, spread_note
 from ..kernels.reference import ExpertParams, activation_forward, moe_ffn_reference, parse_activation, split_gate_up
 
 __all__ = [
     "LayerConfig",
     "CONFIGS",
+    "SONIC_CONFIGS",
+    "OPERATOR_CONFIGS",
+    "CONFIG_SETS",
+    "NAMED_CONFIGS",
+    "published_reference",
+    "parse_configs",
+    "tile_rows",
+    "tile_quantization",
+    "split_step_times",
     "SWEEP_SHAPE",
     "PROVIDERS",
     "Provider",
@@ -86,6 +110,7 @@ __all__ = [
 log = logging.getLogger("moeblaze_fx")
 
 FLOPS_PER_TOKEN_CHOICE = 18  # 3 GEMMs forward (2*d*2h + 2*h*d = 6dh), 6 backward: 18*d*h per (token, choice)
+FORWARD_FLOPS_PER_TOKEN_CHOICE = 6
 DENSE_GEMM_N_CUDA = 8192  # the ceiling docs/benchmarks.md quotes: 8192^3 bf16
 DENSE_GEMM_N_CPU = 1024
 L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, H200 60 MB)
@@ -104,6 +129,7 @@ class LayerConfig:
     E: int
     K: int
     about: str = ""
+    group: str = ""  # the named set it belongs to ("sonic", "operator"), "" for none
 
     def __post_init__(self) -> None:
         for field in ("T", "d", "h", "E", "K"):
@@ -129,14 +155,93 @@ CONFIGS: dict[str, LayerConfig] = {
 SWEEP_SHAPE = (1024, 4096, 8, 2)  # (d, h, E, K) of the token-scaling sweep
 
 
+def _named_set(group: str, about: str, shapes: Sequence[tuple[str, int, int, int, int, int]]) -> dict[str, LayerConfig]:
+    return {name: LayerConfig(name, T, d, h, E, K, about, group) for name, T, d, h, E, K in shapes}
+
+
+# SonicMoE's H100 grid (issue 42): four model sizes (T, d), three (h, E, K) each with T*K*h fixed per model, so the
+# FLOPs and the minimal activation memory stay the same across a model's three shapes while the experts get finer.
+SONIC_CONFIGS: dict[str, LayerConfig] = _named_set("sonic", "SonicMoE's H100 grid", [
+    ("sonic-1.4b-256", 40960, 768, 256, 128, 8),
+    ("sonic-1.4b-512", 40960, 768, 512, 64, 4),
+    ("sonic-1.4b-1024", 40960, 768, 1024, 32, 2),
+    ("sonic-7b-256", 24576, 1536, 256, 128, 8),
+    ("sonic-7b-512", 24576, 1536, 512, 64, 4),
+    ("sonic-7b-1024", 24576, 1536, 1024, 32, 2),
+    ("sonic-30b-256", 32768, 4096, 256, 256, 16),
+    ("sonic-30b-512", 32768, 4096, 512, 128, 8),
+    ("sonic-30b-1024", 32768, 4096, 1024, 64, 4),
+    ("sonic-120b-512", 32768, 4096, 512, 256, 16),
+    ("sonic-120b-1024", 32768, 4096, 1024, 128, 8),
+    ("sonic-120b-2048", 32768, 4096, 2048, 64, 4),
+])
+# SonicMoE's own figures (its paper, H100, fwd + bwd with the router, FLOPs = 18*T*K*d*h), published, not measured
+# here: TFLOP/s read off its throughput plot (about +-5), activation memory per layer in GiB per model size.
+SONIC_PUBLISHED_TFLOPS: dict[str, float] = {
+    "sonic-7b-256": 389.0, "sonic-7b-1024": 465.0, "sonic-30b-256": 447.0, "sonic-30b-1024": 552.0,
+    "sonic-120b-2048": 588.0,
+}
+SONIC_PUBLISHED_ACTIVATION_GIB: dict[str, float] = {"7b": 0.60, "30b": 2.45, "120b": 4.49}
+
+# The operator alone at the token counts one GPU trains with (issue 39), the MoE blocks of the model benchmark's
+# families: the host's time to enqueue a step matters here as much as the GPU's.
+OPERATOR_CONFIGS: dict[str, LayerConfig] = _named_set("operator", "operator alone, per-GPU token counts", [
+    ("op-qwen3-d1024-8k", 8192, 1024, 512, 64, 8),
+    ("op-qwen3-30b-4k", 4096, 2048, 768, 128, 8),
+    ("op-qwen3-30b-8k", 8192, 2048, 768, 128, 8),
+    ("op-qwen3-30b-16k", 16384, 2048, 768, 128, 8),
+    ("op-gpt-oss-20b-4k", 4096, 2880, 2880, 32, 4),
+    ("op-mixtral-8x7b-4k", 4096, 4096, 14336, 8, 2),
+])
+CONFIG_SETS: dict[str, dict[str, LayerConfig]] = {"sonic": SONIC_CONFIGS, "operator": OPERATOR_CONFIGS}
+NAMED_CONFIGS: dict[str, LayerConfig] = {**CONFIGS, **SONIC_CONFIGS, **OPERATOR_CONFIGS}
+
+
+def published_reference(cfg: LayerConfig) -> Optional[dict[str, Any]]:
+    """SonicMoE's published figures for ``cfg`` (``{"tflops", "activation_gib"}``, either may be None), or None where
+    it published none. Published, not measured here."""
+    if cfg.group != "sonic" or SONIC_CONFIGS.get(cfg.name) != cfg:
+        return None
+    tflops = SONIC_PUBLISHED_TFLOPS.get(cfg.name)
+    gib = SONIC_PUBLISHED_ACTIVATION_GIB.get(cfg.name.split("-")[1])
+    if tflops is None and gib is None:
+        return None
+    return {"tflops": tflops, "activation_gib": gib, "source": "SonicMoE (ICLR 2026), H100; published, not measured "
+                                                               "here"}
+
+
+def _config_names() -> str:
+    return (f"A-D, a set ({', '.join(CONFIG_SETS)}) or one of its shapes "
+            f"({', '.join(n for c in CONFIG_SETS.values() for n in c)})")
+
+
+def parse_configs(text: str) -> list[LayerConfig]:
+    """``--configs``: comma-separated names of built-in shapes (A-D, ``sonic-7b-256``, ...) and of named sets
+    (``sonic``, ``operator``: all their shapes, in order); ``none`` or empty: no shape. Repeats are run once."""
+    out: list[LayerConfig] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item or item.lower() == "none":
+            continue
+        if item.lower() in CONFIG_SETS:
+            out.extend(CONFIG_SETS[item.lower()].values())
+        elif item.upper() in CONFIGS or item.lower() in NAMED_CONFIGS:
+            out.append(parse_config(item))
+        else:
+            raise ValueError(f"--configs: unknown configuration {item!r}; choose from {_config_names()}, or give a "
+                             "shape with --config T,d,h,E,K")
+    return list(dict.fromkeys(out))
+
+
 def parse_config(text: str, name: Optional[str] = None) -> LayerConfig:
-    """``"T,d,h,E,K"`` (or a built-in name A-D) -> :class:`LayerConfig`."""
+    """``"T,d,h,E,K"`` (or the name of a built-in shape: A-D, ``sonic-7b-256``, ...) -> :class:`LayerConfig`."""
     key = text.strip()
     if key.upper() in CONFIGS:
         return CONFIGS[key.upper()]
+    if key.lower() in NAMED_CONFIGS:
+        return NAMED_CONFIGS[key.lower()]
     parts = [p.strip() for p in key.split(",")]
     if len(parts) != 5:
-        raise ValueError(f"--config expects T,d,h,E,K (five integers) or one of {sorted(CONFIGS)}; got {text!r}")
+        raise ValueError(f"--config expects T,d,h,E,K (five integers) or a name: {_config_names()}; got {text!r}")
     try:
         T, d, h, E, K = (int(p) for p in parts)
     except ValueError:
@@ -157,6 +262,36 @@ def sweep_tokens(start: int, max_tokens: int) -> list[int]:
 
 def layer_flops(cfg: LayerConfig) -> int:
     return FLOPS_PER_TOKEN_CHOICE * cfg.T * cfg.K * cfg.d * cfg.h
+
+
+def forward_flops(cfg: LayerConfig) -> int:
+    """The forward's third of ``layer_flops``: 3 GEMMs, 6*T*K*d*h (the backward does 6 GEMMs, 12*T*K*d*h)."""
+    return FORWARD_FLOPS_PER_TOKEN_CHOICE * cfg.T * cfg.K * cfg.d * cfg.h
+
+
+def backward_flops(cfg: LayerConfig) -> int:
+    return layer_flops(cfg) - forward_flops(cfg)
+
+
+def tile_rows(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """(real rows, padded rows) of a dispatch plan whose tiles hold ``block_m`` rows of one expert each, as 0-d
+    int64 tensors on ``ids``' device, without a host synchronisation: real rows count the (token, choice) pairs
+    with an id below ``num_experts`` (larger ids mean "no expert"); padded rows are
+    ``sum_e ceil(count_e / block_m) * block_m``, the rows the tiles cover."""
+    if block_m < 1:
+        raise ValueError(f"tile_rows: block_m must be >= 1, got {block_m}")
+    flat = ids.reshape(-1).to(torch.int64).clamp(max=num_experts)  # "no expert" ids land in bin E, dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]
+    padded = ((counts + (block_m - 1)) // block_m * block_m).sum()
+    return counts.sum(), padded
+
+
+def tile_quantization(ids: Tensor, num_experts: int, block_m: int) -> dict[str, int]:
+    """``tile_rows`` on the host (one synchronisation): ``{"block_m", "real_rows", "padded_rows"}``."""
+    real, padded = tile_rows(ids, num_experts, block_m)
+    real_rows, padded_rows = torch.stack([real, padded]).tolist()
+    return {"block_m": int(block_m), "real_rows": int(real_rows), "padded_rows": int(padded_rows)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,6 +653,21 @@ def timer_label(device: torch.device, warmup: int, reps: int) -> str:
     return f"CPU wall clock (not device events), median of {reps} after {warmup} warm-up"
 
 
+def split_timer_label(device: torch.device) -> str:
+    """How ``split_step_times`` divides a step into forward and backward."""
+    clock = "events" if device.type == "cuda" else "wall-clock readings"
+    return (f"fwd = from the step's start to the {clock} after the forward (router included) returned, bwd = from "
+            f"there to the step's end (the backward alone, timed in the same step); each is its own median, so "
+            f"fwd + bwd need not equal ms exactly")
+
+
+def host_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return ("host ms = the host's time to enqueue one step (fwd + bwd) started on an idle GPU, no "
+                "synchronisation inside, median of reps")
+    return "host ms: CUDA only (on the CPU the step's wall time is the ms column)"
+
+
 def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0,
                     host_ms: Optional[list[float]] = None) -> list[float]:
     """Each of ``reps`` steps' time in ms (``step(first)``, ``step(first + 1)``, ...): CUDA events, the L2 flushed
@@ -538,6 +688,41 @@ def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int,
         host_ms.extend((b - a) * 1e3 for a, b in zip(clock, clock[1:]))
     torch.cuda.synchronize(device)
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def split_step_times(forward: Callable[[int], Any], backward: Callable[[Any], Any], device: torch.device,
+                     warmup: int, reps: int) -> tuple[list[float], list[float], list[float]]:
+    """(step, forward, backward) times in ms of ``reps`` timed steps after ``warmup`` untimed ones. Step ``i`` is
+    ``backward(forward(i))``: on CUDA, events before the step, after ``forward`` returned and after ``backward``
+    returned, the L2 flushed before each step and the steps enqueued back to back; on the CPU the wall clock at
+    the same three points. The forward's result is dropped after its backward."""
+    for i in range(warmup):
+        backward(forward(i))
+    _sync(device)
+    if device.type == "cuda":
+        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+        events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(reps)]
+        for i, (start, mid, end) in enumerate(events):
+            flush.zero_()
+            start.record()
+            state = forward(warmup + i)
+            mid.record()
+            backward(state)
+            end.record()
+            del state
+        torch.cuda.synchronize(device)
+        marks = [(0.0, s.elapsed_time(m), s.elapsed_time(e)) for s, m, e in events]
+    else:
+        marks = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            state = forward(warmup + i)
+            t1 = time.perf_counter()
+            backward(state)
+            t2 = time.perf_counter()
+            del state
+            marks.append((0.0, (t1 - t0) * 1e3, (t2 - t0) * 1e3))
+    return [e for _, _, e in marks], [m for _, m, _ in marks], [e - m for _, m, e in marks]
 
 
 def step_times(step: Callable[[int], Any], device: torch.device, warmup: int, reps: int) -> list[float]:
@@ -580,9 +765,19 @@ def dense_gemm_rate(device: torch.device, dtype: torch.dtype, warmup: int = 3, r
 # Running providers
 # ---------------------------------------------------------------------------------------------
 def _grads(layer: Callable[..., tuple[Tensor, Tensor]], inputs: LayerInputs, i: int) -> tuple[Tensor, ...]:
+    return _backward(_forward(layer, inputs, i))
+
+
+def _forward(layer: Callable[..., tuple[Tensor, Tensor]], inputs: LayerInputs, i: int) -> tuple[Tensor, ...]:
+    """The forward of step ``i`` (router included): (y, x, grad_y, *params) for ``_backward``."""
     x, grad_y = inputs.pool[i % len(inputs.pool)]
     y, _ = layer(x, *inputs.params, inputs.K)
-    return torch.autograd.grad(y, (x, *inputs.params), grad_y)
+    return (y, x, grad_y, *inputs.params)
+
+
+def _backward(state: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    y, x, grad_y, *params = state
+    return torch.autograd.grad(y, (x, *params), grad_y)
 
 
 def _row(cfg: LayerConfig, provider: str, section: str, **fields: Any) -> dict[str, Any]:
@@ -598,11 +793,21 @@ def _row(cfg: LayerConfig, provider: str, section: str, **fields: Any) -> dict[s
         "wide_spread": None,  # ms_spread > timing.WIDE_SPREAD: the ms cell is marked and the table says why
         "tflops": None,
         "frac_dense_gemm": None,
+        "fwd_ms": None,  # the forward alone (router included), median; see split_step_times
+        "bwd_ms": None,  # the backward alone, median
+        "fwd_tflops": None,  # 6*T*K*d*h / fwd_ms
+        "bwd_tflops": None,  # 12*T*K*d*h / bwd_ms
+        "host_ms": None,  # the host's time to enqueue one step on an idle GPU (CUDA only)
         "saved_bytes": None,
         "peak_bytes": None,
         "max_rel_err": None,
         "rel_err": None,
         "first_step_s": None,
+        "set": cfg.group or None,
+        "block_m": None,  # the operator's dispatch-plan tile height (moeblaze_fx.ops.plan_block_m)
+        "real_rows": None,  # (token, choice) pairs routed to an expert, from this shape's routing
+        "padded_rows": None,  # sum_e ceil(count_e / block_m) * block_m
+        "published": published_reference(cfg),  # SonicMoE's figures: published, not measured here
         "note": "",
     }
     row.update(fields)
@@ -618,7 +823,9 @@ def _measure(layer: Callable[..., tuple[Tensor, Tensor]], cfg: LayerConfig, inpu
     _sync(device)
     out["first_step_s"] = time.perf_counter() - t0
 
-    timed = StepTimes.of(step_times(lambda i: _grads(layer, inputs, i), device, max(warmup - 1, 0), reps))
+    total, fwd, bwd = split_step_times(lambda i: _forward(layer, inputs, i), _backward, device,
+                                       max(warmup - 1, 0), reps)
+    timed = StepTimes.of(total)
     ms = timed.median
     out["ms"] = ms
     out["steps_timed"] = timed.n
@@ -626,6 +833,13 @@ def _measure(layer: Callable[..., tuple[Tensor, Tensor]], cfg: LayerConfig, inpu
     out["wide_spread"] = timed.wide
     out["tflops"] = layer_flops(cfg) / ms / 1e9
     out["frac_dense_gemm"] = out["tflops"] / dense_tflops if dense_tflops else None
+    out["fwd_ms"], out["bwd_ms"] = statistics.median(fwd), statistics.median(bwd)
+    out["fwd_tflops"] = forward_flops(cfg) / out["fwd_ms"] / 1e9 if out["fwd_ms"] > 0 else None
+    out["bwd_tflops"] = backward_flops(cfg) / out["bwd_ms"] / 1e9 if out["bwd_ms"] > 0 else None
+
+    if device.type == "cuda":
+        steps = iter(range(reps))
+        out["host_ms"] = statistics.median(host_enqueue_ms(lambda: _grads(layer, inputs, next(steps)), device, reps))
 
     if device.type == "cuda" and not getattr(layer, "cuda_graphs", False):
         torch.cuda.synchronize(device)
@@ -848,7 +1062,12 @@ def _run_layer_bench(meta, started, configs, names, table, device, dtype, sweep,
     meta.update(dtype=str(dtype).replace("torch.", ""), warmup=warmup, reps=reps, seed=seed,
                 flops="18*T*K*d*h", saved="distinct storages packed by saved_tensors_hooks in the forward, "
                 "parameters excluded, x included", peak="max allocated above the step's start (CUDA only)",
-                rel_err="||out-ref||/||ref|| vs moe_ffn_reference in float32 on the same inputs and expert choices")
+                rel_err="||out-ref||/||ref|| vs moe_ffn_reference in float32 on the same inputs and expert choices",
+                fwd_bwd=split_timer_label(device), host=host_label(device),
+                fwd_flops="6*T*K*d*h", bwd_flops="12*T*K*d*h",
+                tiles="padded rows = sum over experts of ceil(count_e / block_m) * block_m for the operator's "
+                      "dispatch plan (block_m = moeblaze_fx.ops.plan_block_m(device)), from each shape's routing, "
+                      "against the real T*K rows")
 
     built: dict[str, tuple[Callable[..., Any], str]] = {}
     skipped: dict[str, str] = {}
@@ -907,6 +1126,7 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
     rows = []
     inputs = ref = None
     setup_status, setup_note = "ok", ""
+    tiles: dict[str, int] = {}
     # Every shape compiles afresh, with static shapes, as a model trained at one shape would. Without this a
     # compiled provider's second shape is a recompile, for which Dynamo makes the changed sizes dynamic
     # ("automatic dynamic shapes"), and every later shape runs those generic kernels (H100, config C: 15.4 ms
@@ -914,9 +1134,11 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
     torch._dynamo.reset()
     try:
         inputs = make_inputs(cfg, device, dtype, seed)
+        with torch.no_grad():
+            ids, _ = route(inputs.pool[0][0], inputs.w_router, cfg.K)
+        # The tile-quantization waste of this shape's routing, once and outside every timed region.
+        tiles = tile_quantization(ids, cfg.E, _plan_block_m(device))
         if check and (check_max_tokens is None or cfg.T <= check_max_tokens):
-            with torch.no_grad():
-                ids, _ = route(inputs.pool[0][0], inputs.w_router, cfg.K)
             try:
                 ref = compute_reference(inputs, ids, _reference_chunk(cfg, device))
             except Exception as exc:  # noqa: BLE001 - the timings stand without the check
@@ -942,12 +1164,18 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
             fields, status = _run_one(layer, cfg, inputs, ref, device, warmup, reps, dense_tflops)
             notes = [n for n in (provider_note, setup_note, fields.pop("note_extra", ""), fields.pop("error", ""))
                      if n]
-            rows.append(_row(cfg, name, section, status=status, note="; ".join(notes), **fields))
+            rows.append(_row(cfg, name, section, status=status, note="; ".join(notes), **tiles, **fields))
         if bar is not None:
             bar.update(1)
     del inputs, ref
     free_memory(device)
     return rows
+
+
+def _plan_block_m(device: torch.device) -> int:
+    from ..ops import plan_block_m
+
+    return plan_block_m(device)
 
 
 def run_dispatch(device: torch.device) -> Any:
@@ -1015,6 +1243,7 @@ def format_markdown(result: BenchResult) -> str:
         "FLOPs = 18*T*K*d*h; saved = activation bytes kept for backward (saved_tensors_hooks, parameters "
         "excluded, x included); peak = max allocation above the step's start; err = max over the output and "
         "every gradient of ||out-ref||/||ref|| vs the float32 reference.",
+        f"ms = one step (fwd + bwd); {m.get('fwd_bwd', '-')}; {m.get('host', '-')}.",
         "",
     ]
     for section, title in (("configs", "Configurations"), ("sweep", "Token scaling")):
@@ -1025,9 +1254,9 @@ def format_markdown(result: BenchResult) -> str:
             s = rows[0]
             title += f", (d, h, E, K) = ({s['d']}, {s['h']}, {s['E']}, {s['K']})"
         lines += [f"### {title}", "",
-                  "| config (T, d, h, E, K) | provider | ms | TFLOP/s | % dense GEMM | saved MB | peak MB | "
-                  "max rel err | note |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| config (T, d, h, E, K) | provider | ms | fwd + bwd ms | host ms | TFLOP/s | % dense GEMM | "
+                  "saved MB | peak MB | max rel err | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         last = None
         for r in rows:
             cfg = f"{r['config']} {r['T']}, {r['d']}, {r['h']}, {r['E']}, {r['K']}"
@@ -1035,17 +1264,20 @@ def format_markdown(result: BenchResult) -> str:
             last = cfg
             status = _status_cell(r)
             if status:
-                cells = [status] + ["-"] * 6
+                cells = [status] + ["-"] * 8
             else:
                 frac = None if r["frac_dense_gemm"] is None else 100 * r["frac_dense_gemm"]
                 ms_cell = _fmt(r["ms"], ".2f") + (SPREAD_MARK if r.get("wide_spread") else "")
-                cells = [ms_cell, _fmt(r["tflops"], ".1f"), _fmt(frac, ".0f"), _mb(r["saved_bytes"]),
-                         _mb(r["peak_bytes"]), _fmt(r["max_rel_err"], ".1e")]
+                cells = [ms_cell, _fwd_bwd_cell(r), _fmt(r.get("host_ms"), ".2f"), _fmt(r["tflops"], ".1f"),
+                         _fmt(frac, ".0f"), _mb(r["saved_bytes"]), _mb(r["peak_bytes"]), _fmt(r["max_rel_err"], ".1e")]
             note = r["note"].replace("|", "/")
             lines.append(f"| {cfg_cell} | {r['provider']} | " + " | ".join(cells) + f" | {note} |")
         lines.append("")
         if section == "sweep":
             lines += _sweep_grid(rows)
+    sonic = [r for r in result.rows if r["section"] == "configs" and r.get("set") == "sonic"]
+    if sonic:
+        lines += _sonic_table(sonic)
     note = spread_note([r.get("wide_spread") for r in result.rows])
     if note:
         lines += [note, ""]
@@ -1058,6 +1290,60 @@ def format_markdown(result: BenchResult) -> str:
     if result.dispatch is not None:
         lines += ["### Dispatch metadata", "", _dispatch_markdown(result.dispatch), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _fwd_bwd_cell(row: dict[str, Any]) -> str:
+    if row.get("fwd_ms") is None or row.get("bwd_ms") is None:
+        return "-"
+    return f"{_fmt(row['fwd_ms'], '.2f')} + {_fmt(row['bwd_ms'], '.2f')}"
+
+
+def _tiles_cell(row: dict[str, Any]) -> str:
+    real, padded = row.get("real_rows"), row.get("padded_rows")
+    if real is None or padded is None:
+        return "-"
+    waste = f" (+{100 * (padded - real) / real:.1f}%)" if real else ""
+    return f"{padded:,} / {real:,}{waste}"
+
+
+def _published_cell(row: dict[str, Any]) -> str:
+    pub = row.get("published")
+    if not pub:
+        return ""
+    parts = []
+    if pub.get("tflops") is not None:
+        parts.append(f"≈{pub['tflops']:.0f} TFLOP/s")
+    if pub.get("activation_gib") is not None:
+        parts.append(f"≈{pub['activation_gib']:.2f} GiB")
+    return ", ".join(parts)
+
+
+def _sonic_table(rows: list[dict[str, Any]]) -> list[str]:
+    """SonicMoE's grid: forward and backward apart, their TFLOP/s, activation memory, tile waste, its own figures."""
+    block_m = sorted({r["block_m"] for r in rows if r.get("block_m") is not None})
+    tile = f"block_m = {', '.join(map(str, block_m))}" if block_m else "block_m"
+    out = ["### SonicMoE's grid", "",
+           "TFLOP/s fwd = 6*T*K*d*h / fwd ms, bwd = 12*T*K*d*h / bwd ms, total = 18*T*K*d*h / ms; saved GiB as "
+           f"above; padded / real rows: the operator's dispatch-plan tiles ({tile}) over this shape's routing. "
+           "The last column is SonicMoE's own figure (its paper, H100, read off its plot, about +-5 TFLOP/s): "
+           "published, not measured here.", "",
+           "| config (h, E, K) | provider | fwd ms | bwd ms | TFLOP/s fwd / bwd / total | saved GiB | "
+           "padded / real rows | SonicMoE (published, not measured here) |",
+           "|---|---|---|---|---|---|---|---|"]
+    last = None
+    for r in rows:
+        first = r["config"] != last
+        last = r["config"]
+        cfg_cell = f"{r['config']} ({r['h']}, {r['E']}, {r['K']})" if first else ""
+        if r["status"] != "ok":
+            cells = [r["status"], "-", "-", "-"]
+        else:
+            tflops = " / ".join(_fmt(r.get(k), ".0f") for k in ("fwd_tflops", "bwd_tflops", "tflops"))
+            saved = None if r["saved_bytes"] is None else r["saved_bytes"] / 2 ** 30
+            cells = [_fmt(r.get("fwd_ms"), ".2f"), _fmt(r.get("bwd_ms"), ".2f"), tflops, _fmt(saved, ".2f")]
+        cells += [_tiles_cell(r) if first else "", _published_cell(r) if first else ""]
+        out.append(f"| {cfg_cell} | {r['provider']} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def _sweep_grid(rows: list[dict[str, Any]]) -> list[str]:

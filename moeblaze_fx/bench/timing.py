@@ -4,14 +4,20 @@ A median of two or three steps on a busy CPU can be off by a factor; a table tha
 median invites a wrong comparison. Every benchmark of this package therefore keeps, with a median step time, the
 number of steps it came from and their spread, ``(max - min) / median``. A spread above ``WIDE_SPREAD`` marks the
 time's cell with ``*`` and the table prints ``SPREAD_NOTE`` once below itself.
+
+``host_enqueue_ms`` is the host's side of a step: the milliseconds the host spends enqueueing one step on an idle
+GPU, which is what bounds the step when the GPU work is short (issue 39).
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["WIDE_SPREAD", "SPREAD_MARK", "SPREAD_NOTE", "StepTimes", "spread_note"]
+import torch
+
+__all__ = ["WIDE_SPREAD", "SPREAD_MARK", "SPREAD_NOTE", "StepTimes", "spread_note", "host_enqueue_ms"]
 
 WIDE_SPREAD = 0.25  # (max - min) / median above this: the steps disagree by more than a quarter of the time shown
 SPREAD_MARK = "*"
@@ -66,3 +72,22 @@ class StepTimes:
 def spread_note(flags: Sequence[Optional[bool]]) -> Optional[str]:
     """``SPREAD_NOTE`` when any cell was flagged, else None."""
     return SPREAD_NOTE if any(bool(f) for f in flags) else None
+
+
+def host_enqueue_ms(step: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+    """The host's ms to enqueue ``step()``, once per rep: each step starts on an idle device (synchronised before
+    the clock starts, so a full launch queue never blocks the host) and the clock stops when ``step`` returns,
+    without waiting for the device. On the CPU nothing is asynchronous: this is the step's wall time."""
+    if reps < 1:
+        raise ValueError(f"host_enqueue_ms needs reps >= 1, got {reps}")
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return times

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from moeblaze_fx import ops
 from moeblaze_fx.bench import cli, layer
 from moeblaze_fx.bench.compare import compare, default_loss
 from moeblaze_fx.bench.layer import LayerConfig, Provider
@@ -219,16 +220,29 @@ def test_json_schema(all_providers):
     assert "wall clock" in meta["timer"]
     assert meta["dense_gemm"]["tflops"] > 0
     assert data["dispatch"]["status"] == "skipped"
-    int_keys = ("T", "d", "h", "E", "K", "saved_bytes")
-    float_keys = ("ms", "tflops", "frac_dense_gemm", "max_rel_err", "first_step_s")
+    assert meta["fwd_flops"] == "6*T*K*d*h" and meta["bwd_flops"] == "12*T*K*d*h"
+    assert "CUDA only" in meta["host"]
+    int_keys = ("T", "d", "h", "E", "K", "saved_bytes", "block_m", "real_rows", "padded_rows")
+    float_keys = ("ms", "tflops", "frac_dense_gemm", "max_rel_err", "first_step_s", "fwd_ms", "bwd_ms", "fwd_tflops",
+                  "bwd_tflops")
     for r in data["rows"]:
         assert set(r) == {"section", "config", "T", "d", "h", "E", "K", "provider", "status", "ms", "steps_timed",
-                          "ms_spread", "wide_spread", "tflops", "frac_dense_gemm", "saved_bytes", "peak_bytes",
-                          "max_rel_err", "rel_err", "first_step_s", "note"}
+                          "ms_spread", "wide_spread", "tflops", "frac_dense_gemm", "fwd_ms", "bwd_ms", "fwd_tflops",
+                          "bwd_tflops", "host_ms", "saved_bytes", "peak_bytes", "max_rel_err", "rel_err",
+                          "first_step_s", "set", "block_m", "real_rows", "padded_rows", "published", "note"}
         assert r["steps_timed"] == meta["reps"] and isinstance(r["wide_spread"], bool)
         assert all(isinstance(r[k], int) for k in int_keys)
         assert all(isinstance(r[k], float) and r[k] >= 0 for k in float_keys)
-        assert r["peak_bytes"] is None  # CPU
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0  # each half of the step took time
+        assert r["fwd_tflops"] == pytest.approx(6 * r["T"] * r["K"] * r["d"] * r["h"] / r["fwd_ms"] / 1e9)
+        assert r["bwd_tflops"] == pytest.approx(12 * r["T"] * r["K"] * r["d"] * r["h"] / r["bwd_ms"] / 1e9)
+        assert r["peak_bytes"] is None and r["host_ms"] is None  # CPU: no peak, no host column
+        assert r["set"] is None and r["published"] is None  # TINY's shapes belong to no named set
+        # Every (token, choice) goes to an expert; the plan's tiles cover them in whole block_m-row tiles.
+        assert r["block_m"] == ops.plan_block_m(CPU)
+        assert r["real_rows"] == r["T"] * r["K"]
+        assert r["padded_rows"] % r["block_m"] == 0
+        assert r["real_rows"] <= r["padded_rows"] <= r["real_rows"] + r["E"] * (r["block_m"] - 1)
         assert r["tflops"] == pytest.approx(18 * r["T"] * r["K"] * r["d"] * r["h"] / r["ms"] / 1e9)
         assert r["frac_dense_gemm"] == pytest.approx(r["tflops"] / meta["dense_gemm"]["tflops"])
         assert all(isinstance(v, float) for v in r["rel_err"].values())
@@ -238,7 +252,8 @@ def test_markdown_table(all_providers):
     md = all_providers.to_markdown()
     lines = md.splitlines()
     assert lines[0].startswith("Device: CPU")
-    header = "| config (T, d, h, E, K) | provider | ms | TFLOP/s | % dense GEMM | saved MB | peak MB | max rel err | note |"
+    header = ("| config (T, d, h, E, K) | provider | ms | fwd + bwd ms | host ms | TFLOP/s | % dense GEMM | saved MB | "
+              "peak MB | max rel err | note |")
     assert header in lines
     table = lines[lines.index(header) + 2:]
     body = [ln for ln in table[: table.index("")]]
@@ -247,11 +262,17 @@ def test_markdown_table(all_providers):
     assert body[1].startswith("|  | moeblaze-recompute | ")  # the config cell is not repeated
     for line, row in zip(body, all_providers.rows):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 9
+        assert len(cells) == 11
         assert cells[2].endswith("*") is row["wide_spread"]  # a wide spread of the timed steps is marked
         assert float(cells[2].rstrip("*")) == pytest.approx(row["ms"], abs=0.005, rel=0.05)  # two decimals
-        assert cells[6] == "-"  # no peak memory on the CPU
-        assert float(cells[7]) == pytest.approx(row["max_rel_err"], rel=0.06)
+        fwd, bwd = (float(v) for v in cells[3].split(" + "))
+        assert (fwd, bwd) == (pytest.approx(row["fwd_ms"], abs=0.005, rel=0.05),
+                              pytest.approx(row["bwd_ms"], abs=0.005, rel=0.05))
+        assert cells[4] == "-"  # no host column on the CPU
+        assert cells[8] == "-"  # no peak memory on the CPU
+        assert float(cells[9]) == pytest.approx(row["max_rel_err"], rel=0.06)
+    assert "host ms: CUDA only" in md
+    assert "### SonicMoE's grid" not in md  # no shape of the sonic set ran
     assert ("Skipped providers: moeblaze-graphs: CUDA graphs need a CUDA device; hf-grouped-mm-graphs: CUDA graphs "
             "need a CUDA device; liger: Liger's fused MoE runs Triton kernels on CUDA only.") in md
 
