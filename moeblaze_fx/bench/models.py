@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .layer import cuda_step_times, environment, free_memory, is_oom
-from .timing import StepTimes, spread_note
+from .timing import StepTimes, host_enqueue_ms, spread_note
 
 __all__ = [
     "Family",
@@ -311,16 +311,7 @@ def _measure(fn, model, input_ids, device, warmup: int, reps: int, seed: int) ->
     _sync(device)
     if device.type == "cuda":
         times = cuda_step_times(lambda i: _step(fn, model, input_ids, seed), device, reps)
-        # The host's time to enqueue one step: each step starts on an idle GPU (so a full launch queue never blocks
-        # the host), and nothing inside it synchronises.
-        host = []
-        for _ in range(reps):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            _step(fn, model, input_ids, seed)
-            host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize(device)
-        out["host_ms"] = StepTimes.of(host).median
+        out["host_ms"] = StepTimes.of(host_enqueue_ms(lambda: _step(fn, model, input_ids, seed), device, reps)).median
     else:
         times = []
         for _ in range(reps):
