@@ -26,16 +26,17 @@ B is read through 2-D descriptors over each table's storage: expert e's matrix i
 next expert: with rows = n they only reach output columns past n, which are never stored; with rows = k they
 would be summed in, so that layout needs k % 64 == 0. :func:`weights` says when a launch qualifies; everything
 else takes the Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel; the cuda tests
-compare it with the Triton kernel bit for bit. ``MOEBLAZE_GLUON_DOWN=0`` turns it off (read at every call).
+compare it with the Triton kernel bit for bit. The kernel option ``gluon=False`` (``config.KernelOptions``) turns it
+off, with the other Gluon kernels.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
+from .autotune import options
 from .launch import launch
 
 try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
@@ -53,9 +54,8 @@ try:  # Gluon is experimental: its import (and API) may be missing from a Triton
 except ImportError:  # pragma: no cover - depends on the Triton build
     _GLUON = False
 
-__all__ = ["ENV_VAR", "enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches"]
+__all__ = ["enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches"]
 
-ENV_VAR = "MOEBLAZE_GLUON_DOWN"
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # BLOCK_M is the plan's row tile
 STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernel
@@ -219,8 +219,9 @@ if _GLUON:
 
 
 def enabled() -> bool:
-    """``MOEBLAZE_GLUON_DOWN`` is not "0" (read at every call, so a process can compare both kernels)."""
-    return os.environ.get(ENV_VAR, "1") != "0"
+    """Whether the Gluon kernels (this one, :mod:`.gather_sm90`'s, :mod:`.dw_sm90`'s) may take launches: the kernel
+    option ``gluon`` in force (``autotune.options()``)."""
+    return options().gluon
 
 
 def launches() -> int:

@@ -38,9 +38,10 @@ adding onto those that started earlier; dx and the bias gradients add up across 
 
 On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.dw_sm90` when the
 shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
-``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel. Likewise dh's GEMM (the split's first launch) goes to the gathering
-kernel of :mod:`.gather_sm90` when d % 64 == 0 and W_down is row blocks of one tensor (``MOEBLAZE_GLUON_GATHER=0``);
-for SwiGLU both launches are one there, dH' never stored (``MOEBLAZE_GLUON_DH_ACT=0`` keeps two). Under "recompute"
+Likewise dh's GEMM (the split's first launch) goes to the gathering kernel of :mod:`.gather_sm90` when d % 64 == 0
+and W_down is row blocks of one tensor; for a gated activation of ``gather_sm90.ACTIVATIONS`` with h % 16 == 0 both
+launches are one there, dH' never stored (elsewhere the epilogue stays a Triton launch). The kernel option
+``gluon=False`` (``config.KernelOptions``) keeps the Triton kernels everywhere. Under "recompute"
 with an activation of ``gather_sm90.ACTIVATIONS``, no biases and h % 16 == 0, the forward's Gluon up kernel computes
 the window's A|B again into the dA|dB buffer and the fused dh runs in place over it (each element read before it is
 written, by the program that writes it): the same kernels on the same A|B as "activations", so bitwise its results,
