@@ -13,6 +13,15 @@ from moeblaze_fx.layout import RoleView, encode_layout
 from moeblaze_fx.ops import moe_ffn
 
 
+def interpreted_block_m(device, options=None):
+    """``ops.plan_block_m`` as on a GPU (the kernels' tile height under the options), for the Triton path driven on
+    CPU tensors through the interpreter."""
+    from moeblaze_fx.kernels import autotune
+
+    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels):
+        return autotune.plan_block_m()
+
+
 def _ref(x, ids, w, wgu, wd, activation="swiglu"):
     return moe_ffn_reference(x, ids, w, ExpertParams(*split_gate_up(wgu), wd), activation)
 
@@ -148,10 +157,9 @@ def triton_path(monkeypatch):
         pytest.skip("drives the Triton path on CPU tensors through the interpreter, which is off on a GPU machine "
                     "(the cuda tests run that path for real)")
     from moeblaze_fx import ops
-    from moeblaze_fx.kernels import expert_fwd
 
     monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-    monkeypatch.setattr(ops, "plan_block_m", lambda device: expert_fwd.plan_block_m())
+    monkeypatch.setattr(ops, "plan_block_m", interpreted_block_m)
     plans = []
     make_plan = ops._make_plan
     monkeypatch.setattr(ops, "_make_plan", lambda *a: plans.append(a) or make_plan(*a))
@@ -208,6 +216,56 @@ def test_triton_path_opcheck(triton_path, checkpoint):
     x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default, (x, ids, w, params, layout, "swiglu", checkpoint, 0))
+
+
+def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatch):
+    """The kernel options are an argument of the call: the plan's tile height follows its pinned configuration (the
+    fake's plan shapes too), and the backward runs with the forward's options, whatever is in force when it runs."""
+    from moeblaze_fx.config import KernelOptions, encode_kernels
+    from moeblaze_fx.kernels import autotune, expert_bwd
+    from moeblaze_fx.kernels.reference import max_tiles
+
+    seen = []
+    backward = expert_bwd.expert_backward
+    monkeypatch.setattr(expert_bwd, "expert_backward", lambda *a, **k: seen.append(autotune.options()) or
+                        backward(*a, **k))
+    T, d, h, E, K = 40, 16, 24, 4, 2
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    pinned = KernelOptions(kernel_config="block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1")
+    encoded = encode_kernels(pinned)
+    assert encoded == "kernel_config=block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1"
+    y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, encoded)
+    assert triton_path[-1][2] == 32 and plan[3].numel() == max_tiles(T * K, E, 32)
+    g = torch.randn_like(y)
+    with moeblaze_fx.patch(kernels={"kernel_config": "block_m=64"}):  # not what the call carries
+        got = torch.autograd.grad(y, (x, w, wgu, wd), g)
+    assert seen == [pinned] and len(triton_path) == 1
+    want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, w, wgu, wd), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default,
+                          (x, ids, w, params, layout, "swiglu", "recompute", 0, encoded))
+    # the direct API: the options of config.current() at the call, the backward's too
+    seen.clear()
+    with moeblaze_fx.patch(kernels={"kernel_config": "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1"}):
+        y = moe_ffn(x, ids, w, (wgu, wd))
+    assert triton_path[-1][2] == 32
+    torch.autograd.grad(y, (x, w, wgu, wd), g)
+    assert seen == [pinned]
+
+
+def test_kernel_options_argument_is_checked():
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    with pytest.raises(ValueError, match="kernel_options: gluon must be 1, 0, true or false, got 'maybe'"):
+        torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "gluon=maybe")
+    with pytest.raises(ValueError, match="names from \\['dispatch_config', 'gluon', 'kernel_config'\\]"):
+        torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "tma=0")
+    # the PyTorch path (CPU) takes the same options: they choose among kernels, never what is computed
+    y0 = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[0]
+    y1 = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "gluon=0")[0]
+    assert torch.equal(y0, y1)
 
 
 def test_backward_refuses_a_policy_that_is_not_one():
