@@ -491,7 +491,9 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
     dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
     for g, (_, count) in zip(grads, _groups(len(params), views, E)):
         dparams.extend(g.unbind(0) if count > 1 else [g])
-    return dx, None, dweights, dparams, None, None, None, None, None
+    grads = (dx, None, dweights, dparams, None, None, None, None, None)
+    # one for each argument given: the dispatcher drops kernel_options where it equals its default ("")
+    return grads[:len(ctx.needs_input_grad)]
 
 
 _moe_ffn.register_autograd(_backward, setup_context=_setup_context)
