@@ -127,6 +127,8 @@ class KernelOptions:
             raise TypeError(f"moeblaze: kernel option 'gluon' must be True or False, got {self.gluon!r}")
         object.__setattr__(self, "kernel_config", _kernel_config(self.kernel_config))
         object.__setattr__(self, "dispatch_config", _dispatch_config(self.dispatch_config))
+        # made once: moe_ffn reads it at every call, and Dynamo traces that read (not dataclasses.fields)
+        object.__setattr__(self, "_encoded", _encode(self))
 
 
 _KERNEL_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
@@ -148,6 +150,10 @@ def _kernel_options(value: Any, base: KernelOptions) -> KernelOptions:
 def encode_kernels(options: KernelOptions) -> str:
     """The canonical string of ``options`` that the operators take (``kernel_options``): the fields that differ
     from the defaults, ``name=value`` joined by ``;`` in field order; ``""`` for the defaults."""
+    return options._encoded
+
+
+def _encode(options: KernelOptions) -> str:
     items = []
     for f in dataclasses.fields(KernelOptions):
         value = getattr(options, f.name)
