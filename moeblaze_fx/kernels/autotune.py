@@ -218,7 +218,7 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_gemm":  # the GEMM alone: no epilogue registers, so the 256-wide tiles of up and down fit
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_n=2)]
-    elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100, thirteenth session (RESULTS.md), ms at
+    elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100 (docs/dh.md), ms at
         # C / D / A, the partials by slot: 128 x 64 tiles with 16 warps and group_m 1 (the rows' columns in order)
         # 0.418 / 0.556 / 4.40, 2.9 TB/s against a 3.0 TB/s copy; two 64-column halves with 8 warps 0.514 / 0.683 /
         # 5.48 (with group_m 8 and the partials by pair, the earlier choice: 0.556 / 0.749 / 6.13); a 128 x 128 tile,
@@ -229,10 +229,10 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
     elif kind == "dw":  # the gathered operand on A's side (dW_gate, dW_up computed transposed). H100, 2026-11-21
-        # (eighth session), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
+        # (docs/dw.md), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
         # s5 C 0.96 / 0.97, D 1.10 / 1.13, A 7.46 / 8.11 (7 and 5 stages hold 4 and 3 tile buffers: the gathered
         # rows' indices take a stage). 256x128 (s3 with the rows in registers, s7) 18-33 % slower on both; 128x128
-        # tiles 25-35 % slower (earlier sessions)
+        # tiles 25-35 % slower (docs/dw.md)
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=7),
                 KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5)]
     else:
@@ -256,7 +256,7 @@ def tuned(kernel, kind: str, key: list[str]):
 
 # The autotuner's choice per launch key (see _launch_key): later launches with that key go straight to the
 # kernel with it. Triton's Autotuner.run rebuilds its key from every argument at every launch, and a windowed
-# step makes ~10 launches a window: its host time, not its kernels, bounded the step (benchmarks/RESULTS.md).
+# step makes ~10 launches a window: its host time, not its kernels, bounded the step (docs/host.md).
 _CHOSEN: dict[tuple, dict] = {}
 _KEY_POSITIONS: dict[object, tuple] = {}  # per tuned kernel (module-level singletons, keyed by themselves)
 

@@ -53,7 +53,7 @@ program (its lowering may use shared-memory increments; integer counts do not de
 Floor (H100 ~3.0 TB/s, H200 ~4.3 TB/s, read + write): ids read once (8*N bytes for int64) plus
 token_index and slot_of written once (8*N bytes): T=1M, K=8 -> 128 MB -> ~43 us (H100), ~30 us (H200).
 This design reads the ids twice (launches 1 and 3), ~64 MB more. Predicted ~0.1 ms at 1M x 8 if the
-in-register sort kept up; it does not: measured on an H200 (commit ccf1907, benchmarks/RESULTS.md)
+in-register sort kept up; it does not: measured on an H200 (commit ccf1907; docs/dispatch.md)
 0.18 ms (E = 8), 0.20 ms (E = 64), 0.33 ms (E = 256) at 1M x 8, of which the scatter launch (the sort)
 is 131-282 us, the histogram 30-35 us (~2 TB/s of ids read) and the scan 10 us. Below ~1M pairs the
 host side of the three launches (~80 us per call) is the cost unless the call is replayed in a CUDA

@@ -4,7 +4,7 @@ Same contract as ``expert_fwd._expert_down_kernel`` for one slot window: for eve
 ``out[slot] = a[slot, :k] @ B0[e] (+ a[slot, k:2k] @ B1[e]) (+ bias[e])``; forward Y = H @ W_down[e].T, backward
 dX = dA @ W_gate[e] + dB @ W_up[e]. The two kernels compute each output element with the same tile (128 x 256),
 the same 64-wide contraction steps in the same order and the same fp32 bias add, so their outputs are bitwise
-equal (checked on the H100: ``benchmarks/proto_down_ws_h100.json`` and the cuda tests).
+equal (checked on the H100 by the cuda tests; docs/down.md).
 
 Why: the down kernel is the one GEMM here whose operands are both plain row blocks (A: the window's slot rows;
 B: an expert's weight matrix), so both can be copied by TMA, issued by one producer warp. The Triton kernel runs one
@@ -18,7 +18,7 @@ program per SM walks its tiles:
   expert's last rows, or a tile cut by the window) through masked pointer stores.
 
 H100, raw launches, same process (2026-11-22): Y / dX 10 % / 10 % faster at config C, 7 % / 6 % at D, 3 % / 10 %
-at A (benchmarks/RESULTS.md, eleventh session).
+at A (docs/down.md).
 
 B is read through 2-D descriptors over each table's storage: expert e's matrix is rows ``e * e_rows ..`` of
 ``[rows, cols]`` with unit column stride, where ``[E, rows, cols]`` is the table's ``[E, k, n]`` view (n contiguous,
@@ -145,7 +145,7 @@ if _GLUON:
             e, start, first, end, pid_n = _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr,
                                                 offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
-                # Without the fact, ptxas serializes every wgmma (benchmarks/NOTES-kernels.md, sixth session).
+                # Without the fact, ptxas serializes every wgmma (H100; docs/down.md).
                 gl.assume(steps > 0)
                 acc = gl.zeros([BM, BN], gl.float32, layout=mma)
                 for k in range(steps):

@@ -7,7 +7,7 @@ whose slots start in this window (or one with no slots that is this window's to 
 when it has no slots here); one whose slots started in an earlier window, or every expert with slots when
 accumulating, starts from its stored value. Each output element sums the same products in the same order as the
 Triton kernel (one fp32 accumulator, 64 slots a step, starting from the stored value when adding), so the two are
-bitwise equal (checked on the H100: ``benchmarks/proto_dw_ws_h100.json`` and the cuda tests).
+bitwise equal (checked on the H100 by the cuda tests; docs/dw.md).
 
 One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of ``b``'s), expert by expert:
 
@@ -29,7 +29,7 @@ rows there belong to the next expert, or are unrouted slots that nothing writes)
 those copies land under the A stage's barrier.
 
 H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 4-7 % at D, 1-3 % at A
-(benchmarks/RESULTS.md, eleventh session). :func:`usable` says when a launch qualifies; everything else takes the
+(docs/dw.md). :func:`usable` says when a launch qualifies; everything else takes the
 Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. The kernel option ``gluon=False``
 turns it off (``down_sm90.enabled``).
 """
@@ -161,7 +161,7 @@ if _GLUON:
             if write:
                 out_e = gl.multiple_of(gl.load(out_table_ptr + e).to(gl.pointer_type(dtype)), 16)
                 if n_k > 0:
-                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/down.md)
                     if MAY_ADD:  # start from the stored value where adding (zeros elsewhere), as the Triton kernel
                         rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
                         cn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))

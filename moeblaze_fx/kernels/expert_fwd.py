@@ -527,7 +527,7 @@ def tma_available(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _has_tma(index: int) -> bool:
     """CUDA device ``index`` is sm_90 or newer (and not ROCm: descriptors are untested there). Cached: it is
-    asked at every launch, and a windowed step's launches are bound by the host (benchmarks/RESULTS.md)."""
+    asked at every launch, and a windowed step's launches are bound by the host (docs/host.md)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -551,7 +551,7 @@ def weight_tma_mode(strides: list[tuple[int, int]], align: int, itemsize: int, d
     """How a launch reads its weight tiles B[e] [k, n], given each table's (stride_k, stride_n) and their
     proven byte alignment: 1 = tensor descriptors with n contiguous, 2 = with k contiguous, 0 = pointers.
     A descriptor needs a 16-byte aligned base, a unit stride and a 16-byte aligned other stride.
-    Measured: benchmarks/RESULTS.md, "Tensor descriptors" (the up and down rows)."""
+    Measured: docs/up.md, docs/down.md (tensor descriptors)."""
     if align < 16 or not strides or not tma_available(device):
         return 0
     for mode, unit in ((1, 1), (2, 0)):
@@ -776,8 +776,9 @@ def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int,
     (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its tokens' rows, out zeroed
     first unless ``accumulate``: a token-major pass per window would read and write all of out once per window,
     T * d * windows in all (at 2M tokens of the issue's scale shape, 49 windows: a fifth of the step). Where a window
-    reaches most tokens anyway, the token-major pass's coalesced rows cost a little less (C of BENCHMARKS.md with
-    128 MiB of transients: 1.21 against 1.28 ms of combines a step; docs/combine-and-windows.md)."""
+    reaches most tokens anyway, the token-major pass's coalesced rows cost a little less (config C of
+    docs/benchmarks.md with 128 MiB of transients: 1.21 against 1.28 ms of combines a step;
+    docs/combine-and-windows.md)."""
     slot0, slot1 = window
     if slot1 - slot0 >= T:
         return combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)

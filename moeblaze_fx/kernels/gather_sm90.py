@@ -15,7 +15,7 @@ tiles (the plan's 128-slot tiles):
   dA|dB, w*H and the routing-weight partials from it block by block (32 rows x 64 columns, one block per n_k / 16
   steps) after each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop.
   Each block's A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage
-  less for it). dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91
+  less for it). dH' never goes to memory. H100, fused / two launches, ms (docs/dh.md): C 0.91
   / 1.09, D 1.15 / 1.42, A 9.3 / 11.1.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
@@ -79,7 +79,7 @@ BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
 UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
 DH_BLOCK_N = 256
 # x's 16 KB and the weights' 32 KB stages: with the 64 KB output tile, 224 KB of shared memory. The fourth x stage
-# made up and dh's GEMM 2-4 % faster at C and D, and no faster at A (H100; benchmarks/RESULTS.md, fifteenth session).
+# made up and dh's GEMM 2-4 % faster at C and D, and no faster at A (H100; docs/up.md).
 A_STAGES, B_STAGES = 4, 3  # (the fused dh: 3 and 3, its A|B blocks in the fourth A stage's 16 KB)
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
@@ -313,7 +313,7 @@ if _GLUON:
             e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
-                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/down.md)
                 if ACT_EPI:  # this tile's routing weights, loaded while its K loop runs
                     gl.static_assert(NR == 4)
                     w0 = _dh_act_weights(epi, start, 0, first, end, K, RB, wl)
