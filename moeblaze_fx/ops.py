@@ -37,7 +37,10 @@ it was compiled with; the autograd formula hands the forward's to ``moe_ffn_back
 inside ``kernels.autotune.using`` of the decoded options.
 
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
-bfloat16/float16 by the Triton kernels in ``kernels/`` where they are available.
+bfloat16/float16/float32 by the Triton kernels in ``kernels/`` where they are available (float32 with exact IEEE
+products and one fixed configuration, ``kernels.autotune.FLOAT32_CONFIG``; never the Gluon kernels). The PyTorch
+path walks the experts on the host (``.tolist()`` of the plan's offsets): on CUDA only for float64, or without
+Triton.
 """
 from __future__ import annotations
 
@@ -65,20 +68,20 @@ DEFAULT_TRANSIENT_BUDGET = 2 << 30
 log = logging.getLogger("moeblaze_fx")
 
 
-def plan_block_m(device: torch.device, options: KernelOptions | None = None) -> int:
-    """Rows per tile of the dispatch plan the operator builds on ``device`` with kernel ``options`` (default: those
-    of ``config.current()``)."""
+def plan_block_m(device: torch.device, options: KernelOptions | None = None, dtype: torch.dtype | None = None) -> int:
+    """Rows per tile of the dispatch plan the operator builds on ``device`` for operands of ``dtype`` with kernel
+    ``options`` (default: those of ``config.current()``)."""
     kernels = _triton_kernels() if device.type == "cuda" else None
     if kernels is None:
         return _CPU_BLOCK_M
-    with kernels[4].using(options if options is not None else _config.current().kernels):
+    with kernels[4].using(options if options is not None else _config.current().kernels, dtype):
         return kernels[1].plan_block_m()
 
 
-def _using(options: KernelOptions):
+def _using(options: KernelOptions, dtype: torch.dtype):
     """The block the operator's kernels run in: with ``options`` where the Triton kernels are available."""
     kernels = _triton_kernels()
-    return kernels[4].using(options) if kernels is not None else contextlib.nullcontext()
+    return kernels[4].using(options, dtype) if kernels is not None else contextlib.nullcontext()
 
 
 def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens) -> tuple[int, Activation]:
@@ -180,7 +183,7 @@ def _triton_kernels():
 
 
 def _use_triton(x: Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _triton_kernels() is not None
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _triton_kernels() is not None
 
 
 def _make_plan(ids: Tensor, num_experts: int, block_m: int) -> DispatchPlan:
@@ -253,7 +256,7 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
 
 def _forward_chunk(x, ids, weights, experts, E, act, save_preact, opts, out=None, preact_out=None):
     """y and preact of these tokens (plain-PyTorch path); written into ``out`` / ``preact_out`` when given."""
-    plan = _make_plan(ids, E, plan_block_m(x.device, opts))
+    plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, experts, act, save_preact, plan)
     if out is not None:
         out.copy_(y)
@@ -277,7 +280,7 @@ def _moe_ffn(
     h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
     opts = decode_kernels(kernel_options)
     _check_ids_range(ids)
-    with _using(opts):
+    with _using(opts, x.dtype):
         return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts)
 
 
@@ -288,7 +291,7 @@ def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, 
     width = (2 if act.gated else 1) * h
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):  # one plan; windows of chunk_tokens * K slots bound the transients
-        plan = _make_plan(ids, E, plan_block_m(x.device, opts))
+        plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
         y, preact = _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
                                                         window_slots=chunk_tokens * K)
         return y, preact, list(plan)  # saved for backward: the backward does not dispatch again
@@ -313,7 +316,7 @@ def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk
     # the real implementation's choice of path; the plan's shapes follow from T, K, E and the row tile, which the
     # real implementation reads the same way, from the same kernel options (an argument of the call)
     if _use_triton(x):
-        sizes = reference.plan_sizes(n_pairs, int(layout[0]), plan_block_m(x.device, opts))
+        sizes = reference.plan_sizes(n_pairs, int(layout[0]), plan_block_m(x.device, opts, x.dtype))
         plan = [ids.new_empty((n,), dtype=torch.int32) for n in sizes]
     return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,)), plan
 
@@ -360,7 +363,7 @@ def _store_role(bufs: dict[int, Tensor], v: RoleView, E: int, grad: Tensor, accu
 
 def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, bufs, accumulate, opts):
     """dx, dweights of these tokens (plain-PyTorch path); parameter gradients stored (or added) into bufs."""
-    plan = _make_plan(ids, E, plan_block_m(x.device, opts))
+    plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act,
                                                                 recompute)
     for v, g in zip(views, grads):
@@ -388,7 +391,7 @@ def _moe_ffn_backward(
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"moeblaze.moe_ffn_backward: checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
     opts = decode_kernels(kernel_options)
-    with _using(opts):
+    with _using(opts, x.dtype):
         return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens,
                               opts)
 
@@ -439,7 +442,7 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
                  for v in views[:3]]
     grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
         *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
-    plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device, opts))
+    plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     dx, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
                                                grads=grad_tables, recompute=recompute,
                                                window_slots=window_slots)

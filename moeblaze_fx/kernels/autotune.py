@@ -7,6 +7,8 @@ candidate configurations of each kind, and :func:`launch` is the single place th
   configuration for every kernel, no benchmarking. Format ``"block_m=16,block_n=16,block_k=16,num_warps=4,
   num_stages=1"`` (missing keys keep the defaults of :class:`KernelConfig`).
 * under ``TRITON_INTERPRET=1`` without a pin: :data:`INTERPRETER_CONFIG` (tiny tiles, no benchmarking).
+* float32 operands on the GPU without a pin: :data:`FLOAT32_CONFIG` (exact IEEE products on the CUDA cores; the
+  candidates below are sized for 16-bit operands' shared memory and tensor cores).
 * otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes; after the first launch of
   a key, :func:`launch` calls the kernel with the tuner's choice directly.
   A kind with one candidate is launched with it directly, never through the tuner (``dh_act`` must be: it
@@ -35,7 +37,6 @@ the plan's ``tile_expert``/``tile_start`` are built for one tile height.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from ..config import KernelOptions, interpreting
 __all__ = [
     "KernelConfig",
     "INTERPRETER_CONFIG",
+    "FLOAT32_CONFIG",
     "DEFAULT_BLOCK_M",
     "interpreting",
     "options",
@@ -127,24 +129,28 @@ def _fit_hook(nargs: dict) -> None:  # a triton.Config pre_hook: nargs holds the
 
 
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)
+# float32 on the GPU: tl.dot with input_precision="ieee" (expert_fwd.dot_precision) runs on the CUDA cores, so small
+# tiles; two 64 x 64 fp32 accumulators (up) and 2 stages of 24 KB fit every kind (dh's three accumulators too).
+FLOAT32_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, group_m=8)
 
 
 class _Scope(threading.local):
-    stack: list = []  # (KernelOptions, fixed KernelConfig or None) of the open using() blocks, innermost last
+    """Per thread: (KernelOptions, fixed KernelConfig or None) of the open :func:`using` blocks, innermost last."""
 
     def __init__(self) -> None:
-        self.stack = []
+        self.stack: list[tuple[KernelOptions, KernelConfig | None]] = []
 
 
 _SCOPE = _Scope()
 
 
 @contextlib.contextmanager
-def using(opts: KernelOptions) -> Iterator[KernelOptions]:
-    """Run the kernels launched inside the block (on this thread) with ``opts``."""
+def using(opts: KernelOptions, dtype: torch.dtype | None = None) -> Iterator[KernelOptions]:
+    """Run the kernels launched inside the block (on this thread) with ``opts``, on operands of ``dtype`` (float32
+    takes :data:`FLOAT32_CONFIG` where nothing else is pinned)."""
     if not isinstance(opts, KernelOptions):
         raise TypeError(f"using() takes a config.KernelOptions, got {type(opts).__name__}")
-    _SCOPE.stack.append((opts, _resolve_fixed(opts)))
+    _SCOPE.stack.append((opts, _resolve_fixed(opts, dtype)))
     try:
         yield opts
     finally:
@@ -169,10 +175,12 @@ def pinned_config() -> KernelConfig | None:
     return _parse_pinned(spec) if spec else None
 
 
-def _resolve_fixed(opts: KernelOptions) -> KernelConfig | None:
+def _resolve_fixed(opts: KernelOptions, dtype: torch.dtype | None = None) -> KernelConfig | None:
     if opts.kernel_config:
         return _parse_pinned(opts.kernel_config)
-    return INTERPRETER_CONFIG if interpreting() else None
+    if interpreting():
+        return INTERPRETER_CONFIG
+    return FLOAT32_CONFIG if dtype == torch.float32 else None
 
 
 def _fixed_config() -> KernelConfig | None:

@@ -265,7 +265,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             record.saved_bytes_after = saved_bytes_after(
                 t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
                 example_value(ext.weights).element_size(), policy, act.gated, ext.E,
-                plan_block_m(x_val.device, cfg.kernels) if use_triton(x_val) else None,
+                plan_block_m(x_val.device, cfg.kernels, x_val.dtype) if use_triton(x_val) else None,
             ) + (t_hint * ext.d * itemsize if routing.on_input else 0)  # the weighted tokens the operator keeps
         else:  # neither graph saves anything (the proof's meter ran with gradients on)
             record.saved_bytes_before = record.saved_bytes_after = 0

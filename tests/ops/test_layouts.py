@@ -17,12 +17,12 @@ SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=
                                                 "swiglu_softcap": "swiglu_softcap(gate=0.5,up=0.8)"}
 
 
-def interpreted_block_m(device, options=None):
+def interpreted_block_m(device, options=None, dtype=None):
     """``ops.plan_block_m`` as on a GPU (the kernels' tile height under the options), for the Triton path driven on
     CPU tensors through the interpreter."""
     from moeblaze_fx.kernels import autotune
 
-    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels):
+    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels, dtype):
         return autotune.plan_block_m()
 
 

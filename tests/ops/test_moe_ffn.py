@@ -8,17 +8,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeblaze_fx
+from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels.reference import ExpertParams, moe_ffn_reference, split_gate_up
 from moeblaze_fx.layout import RoleView, encode_layout
 from moeblaze_fx.ops import moe_ffn
 
 
-def interpreted_block_m(device, options=None):
+def interpreted_block_m(device, options=None, dtype=None):
     """``ops.plan_block_m`` as on a GPU (the kernels' tile height under the options), for the Triton path driven on
     CPU tensors through the interpreter."""
     from moeblaze_fx.kernels import autotune
 
-    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels):
+    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels, dtype):
         return autotune.plan_block_m()
 
 
@@ -221,7 +222,7 @@ def test_triton_path_opcheck(triton_path, checkpoint):
 def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatch):
     """The kernel options are an argument of the call: the plan's tile height follows its pinned configuration (the
     fake's plan shapes too), and the backward runs with the forward's options, whatever is in force when it runs."""
-    from moeblaze_fx.config import KernelOptions, encode_kernels
+    from moeblaze_fx.config import encode_kernels
     from moeblaze_fx.kernels import autotune, expert_bwd
     from moeblaze_fx.kernels.reference import max_tiles
 
@@ -253,6 +254,35 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
     assert triton_path[-1][2] == 32
     torch.autograd.grad(y, (x, w, wgu, wd), g)
     assert seen == [pinned]
+
+
+@pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_cuda_plan_shapes_follow_the_dtype_and_the_options(monkeypatch, dtype, block_m):
+    """On CUDA (fake tensors: no GPU needed) 16-bit and float32 take the kernels; the fake's plan has the row tiles of
+    the autotuned kernels (128 rows) or of float32's fixed configuration (64), or of a pinned one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moeblaze_fx import ops
+    from moeblaze_fx.kernels import autotune
+    from moeblaze_fx.kernels.reference import max_tiles
+
+    if ops._triton_kernels() is None:
+        pytest.skip("no Triton: CUDA takes the PyTorch path")
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # as on a GPU machine
+    T, d, h, E, K = 100, 16, 8, 4, 2
+    with FakeTensorMode():
+        x, w = torch.empty(T, d, device="cuda", dtype=dtype), torch.empty(T, K, device="cuda", dtype=dtype)
+        ids = torch.empty(T, K, device="cuda", dtype=torch.int64)
+        params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(
+            torch.empty(E, 2 * h, d, device="cuda", dtype=dtype)), torch.empty(E, d, h, device="cuda", dtype=dtype)))
+        assert ops._use_triton(x)
+        plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[2]
+        assert plan[3].shape == (max_tiles(T * K, E, block_m),)
+        plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0,
+                                          "kernel_config=block_m=32")[2]
+        assert plan[3].shape == (max_tiles(T * K, E, 32),)
+    with autotune.using(KernelOptions(), dtype):
+        assert autotune.autotuning() == (dtype != torch.float32) and autotune.plan_block_m() == block_m
 
 
 def test_kernel_options_argument_is_checked():
@@ -397,6 +427,40 @@ def test_cuda_bfloat16_against_float32_reference(T, d, h, E, K, checkpoint):
         rel = ((a.float() - b).norm() / b.norm()).item()
         assert rel <= 1e-2, f"{name}: relative error {rel:.3g}"
     assert moeblaze_fx.moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint).equal(y)  # deterministic
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+@pytest.mark.parametrize("T,d,h,E,K,chunk_tokens", [(1000, 256, 256, 8, 2, None), (333, 128, 96, 16, 4, 100)],
+                         ids=["gluon-shapes", "ragged-windows"])
+def test_cuda_float32_runs_the_kernels_without_host_sync(T, d, h, E, K, chunk_tokens, checkpoint):
+    """float32 on CUDA takes the Triton kernels (exact IEEE products, autotune.FLOAT32_CONFIG), never the Gluon
+    kernels (16-bit only, even on shapes they take), with no host synchronisation once compiled; the output and
+    every gradient within 1e-4 (relative) of the float64 reference, as eager float32 would be."""
+    from moeblaze_fx.kernels import down_sm90, dw_sm90, gather_sm90
+
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32, device="cuda", route=_with_sentinels)
+    g = torch.randn(T, d, generator=torch.Generator().manual_seed(3)).cuda()
+
+    def step():
+        y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+        return y, *torch.autograd.grad(y, (x, w, wgu, wd), g)
+
+    gluon = (down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches())
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches()) == gluon
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w, wgu, wd)]
+    ref = _ref(leaves64[0], ids, *leaves64[1:])
+    want = (ref, *torch.autograd.grad(ref, leaves64, g.double()))
+    for name, a, b in zip(("y", "x", "weights", "w_gate_up", "w_down"), got, want):
+        rel = ((a.double() - b).norm() / b.norm()).item()
+        assert rel <= 1e-4, f"{name}: relative error {rel:.3g}"
 
 
 def test_importing_the_package_loads_no_benchmark_code():
