@@ -9,8 +9,8 @@ import torch
 
 import moeblaze_fx
 from moeblaze_fx.config import KernelOptions
-from moeblaze_fx.kernels.autotune import using
 from moeblaze_fx.kernels import dispatch as dispatch_module
+from moeblaze_fx.kernels.autotune import using
 from moeblaze_fx.kernels.dispatch import MAX_EXPERTS, DispatchConfig, dispatch, dispatch_forward
 from moeblaze_fx.kernels.reference import DispatchPlan, dispatch_reference, max_tiles
 

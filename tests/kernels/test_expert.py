@@ -674,6 +674,22 @@ def test_pinned_config():
         assert plan_block_m() == 64
 
 
+def test_float32_on_the_gpu_takes_one_fixed_config(monkeypatch):
+    # float32 operands (exact IEEE products on the CUDA cores) launch FLOAT32_CONFIG, never the tuner's 16-bit
+    # candidates; a pinned configuration still wins, and the interpreter keeps its own.
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # as on a GPU machine
+    with autotune.using(KernelOptions(), torch.float32):
+        assert not autotune.autotuning() and plan_block_m() == autotune.FLOAT32_CONFIG.block_m
+        assert autotune.dweights_chunk() == autotune.FLOAT32_CONFIG.block_n // 2
+    with autotune.using(KernelOptions(), torch.bfloat16):
+        assert autotune.autotuning() and plan_block_m() == autotune.DEFAULT_BLOCK_M
+    with autotune.using(KernelOptions(kernel_config="block_m=32"), torch.float32):
+        assert plan_block_m() == 32
+    monkeypatch.setattr(autotune, "interpreting", lambda: True)
+    with autotune.using(KernelOptions(), torch.float32):
+        assert autotune._fixed_config() == autotune.INTERPRETER_CONFIG
+
+
 def test_launch_takes_the_tuned_choice_directly_after_the_first_launch_of_a_key(monkeypatch):
     # Unpinned: the first launch of a key goes through the tuner, later ones straight to the kernel with the
     # tuner's choice; a new key value, a new tensor dtype or a new constexpr goes through the tuner again.
