@@ -270,11 +270,12 @@ def test_cuda_plan_shapes_follow_the_dtype_and_the_options(monkeypatch, dtype, b
         pytest.skip("no Triton: CUDA takes the PyTorch path")
     monkeypatch.setattr(autotune, "interpreting", lambda: False)  # as on a GPU machine
     T, d, h, E, K = 100, 16, 8, 4, 2
-    with FakeTensorMode():
+    cpu, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(torch.empty(E, 2 * h, d)),
+                                                            torch.empty(E, d, h)))
+    with FakeTensorMode():  # (a fake CUDA tensor cannot be sliced without CUDA: the parameters as layout_of gives them)
         x, w = torch.empty(T, d, device="cuda", dtype=dtype), torch.empty(T, K, device="cuda", dtype=dtype)
         ids = torch.empty(T, K, device="cuda", dtype=torch.int64)
-        params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(
-            torch.empty(E, 2 * h, d, device="cuda", dtype=dtype)), torch.empty(E, d, h, device="cuda", dtype=dtype)))
+        params = [torch.empty_strided(p.shape, p.stride(), device="cuda", dtype=dtype) for p in cpu]
         assert ops._use_triton(x)
         plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[2]
         assert plan[3].shape == (max_tiles(T * K, E, block_m),)
