@@ -257,7 +257,7 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
 
 
 @pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 128), (torch.float32, 64)])
-def test_cuda_plan_shapes_follow_the_dtype_and_the_options(monkeypatch, dtype, block_m):
+def test_plan_shapes_on_cuda_follow_the_dtype_and_the_options(monkeypatch, dtype, block_m):
     """On CUDA (fake tensors: no GPU needed) 16-bit and float32 take the kernels; the fake's plan has the row tiles of
     the autotuned kernels (128 rows) or of float32's fixed configuration (64), or of a pinned one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
