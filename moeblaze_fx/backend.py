@@ -18,7 +18,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import pathlib
 import uuid
 from typing import Any, Callable, Optional, Sequence
@@ -35,8 +34,10 @@ from .report import discard_last, emit, last_report, write_json
 
 __all__ = ["moeblaze_backend", "rewrite_graph", "cache_key_tag"]
 
-# What the operators' fakes read while a graph is traced (ops.plan_block_m, ops._use_triton), beside the code.
-_TRACE_ENV = ("MOEBLAZE_KERNEL_CONFIG", "TRITON_INTERPRET")
+# What the operators' fakes read while a graph is traced beside the code and the graph's own arguments (the kernel
+# options are an argument of each call, so a graph's code already holds them): whether Triton interprets (the
+# dispatch and the kernels then run on the CPU).
+_TRACE_STATE = {"TRITON_INTERPRET": _config.interpreting}
 log = logging.getLogger("moeblaze_fx")
 
 
@@ -73,11 +74,12 @@ def _op_name(target: Any) -> str:
 def cache_key_tag(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> Optional[str]:
     """The tag to compile ``gm`` under: None where neither it nor a subgraph calls a MoEBlaze operator; else torch's
     own tag (the user's ``torch.compiler.config.cache_key_tag``) followed by a hash of this package's source, the
-    settings in ``_TRACE_ENV`` and, for a graph with CUDA inputs, whether the Triton kernels import."""
+    state in ``_TRACE_STATE`` and, for a graph with CUDA inputs, whether the Triton kernels import. The options
+    (``MOEBLAZE_OPTIONS`` included) need no place here: those that change a graph's operators are in its code."""
     if not any(n.op == "call_function" and _op_name(n.target).startswith("moeblaze::")
                for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes):
         return None
-    env = ";".join(f"{k}={os.environ.get(k, '')}" for k in _TRACE_ENV)
+    env = ";".join(f"{k}={int(read())}" for k, read in _TRACE_STATE.items())
     cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     triton = ops._triton_kernels() is not None if cuda else "-"  # the CPU path never imports them
     state = f"{source_fingerprint()};triton={triton};{env}"

@@ -1,7 +1,7 @@
 """The MoEBlaze operators, registered with ``torch.library``.
 
-``torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)``
-returns ``(y, preact, plan)``:
+``torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens,
+kernel_options="")`` returns ``(y, preact, plan)``:
 
 * ``y [T, d]`` in x's dtype: ``y[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t])``;
 * ``preact [T*K, 2h]`` (gate|up pre-activations, biases included; ``[T*K, h]`` for a plain
@@ -31,11 +31,20 @@ slots start and added to by any later one they reach, and y / dx accumulate acro
 path runs chunks of ``chunk_tokens`` tokens. All output shapes are static functions of the input shapes
 (no host synchronisation), so dynamic T and CUDA graphs work.
 
+``kernel_options`` is ``config.encode_kernels`` of the :class:`~moeblaze_fx.config.KernelOptions` the kernels run
+with (``""``: the defaults), part of the call so that a compiled graph's forward and backward run with the options
+it was compiled with; the autograd formula hands the forward's to ``moe_ffn_backward``. The kernels are launched
+inside ``kernels.autotune.using`` of the decoded options.
+
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
-bfloat16/float16 by the Triton kernels in ``kernels/`` where they are available.
+bfloat16/float16/float32 by the Triton kernels in ``kernels/`` where they are available (float32 with exact IEEE
+products and one fixed configuration, ``kernels.autotune.FLOAT32_CONFIG``; never the Gluon kernels). The PyTorch
+path walks the experts on the host (``.tolist()`` of the plan's offsets): on CUDA only for float64, or without
+Triton.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import NamedTuple, Sequence
@@ -43,6 +52,8 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from . import config as _config
+from .config import KernelOptions, decode_kernels, encode_kernels
 from .kernels import reference
 from .kernels.reference import ACTIVATIONS, Activation, DispatchPlan, ExpertParams, parse_activation
 from .layout import ROLES, RoleView, check_layout, decode_layout, dense, dense_experts, layout_of, role_value
@@ -57,10 +68,20 @@ DEFAULT_TRANSIENT_BUDGET = 2 << 30
 log = logging.getLogger("moeblaze_fx")
 
 
-def plan_block_m(device: torch.device) -> int:
-    """Rows per tile of the dispatch plan the operator builds on ``device``."""
+def plan_block_m(device: torch.device, options: KernelOptions | None = None, dtype: torch.dtype | None = None) -> int:
+    """Rows per tile of the dispatch plan the operator builds on ``device`` for operands of ``dtype`` with kernel
+    ``options`` (default: those of ``config.current()``)."""
     kernels = _triton_kernels() if device.type == "cuda" else None
-    return kernels[1].plan_block_m() if kernels is not None else _CPU_BLOCK_M
+    if kernels is None:
+        return _CPU_BLOCK_M
+    with kernels[4].using(options if options is not None else _config.current().kernels, dtype):
+        return kernels[1].plan_block_m()
+
+
+def _using(options: KernelOptions, dtype: torch.dtype):
+    """The block the operator's kernels run in: with ``options`` where the Triton kernels are available."""
+    kernels = _triton_kernels()
+    return kernels[4].using(options, dtype) if kernels is not None else contextlib.nullcontext()
 
 
 def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens) -> tuple[int, Activation]:
@@ -151,20 +172,22 @@ def _check_ids_range(ids: Tensor) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
-    """(dispatch, expert_fwd, expert_bwd, tables) modules, or None where Triton or the kernels are missing."""
+    """(dispatch, expert_fwd, expert_bwd, tables, autotune) modules, or None where Triton or the kernels are
+    missing."""
     try:
-        from .kernels import dispatch, expert_bwd, expert_fwd, tables
+        from .kernels import autotune, dispatch, expert_bwd, expert_fwd, tables
     except ImportError as exc:
         log.debug("moeblaze: Triton kernels unavailable (%s); using the PyTorch implementation", exc)
         return None
-    return dispatch, expert_fwd, expert_bwd, tables
+    return dispatch, expert_fwd, expert_bwd, tables, autotune
 
 
 def _use_triton(x: Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _triton_kernels() is not None
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _triton_kernels() is not None
 
 
 def _make_plan(ids: Tensor, num_experts: int, block_m: int) -> DispatchPlan:
+    """The dispatch plan (the Triton dispatch on CUDA, run with the kernel options in force)."""
     kernels = _triton_kernels() if ids.is_cuda else None
     if kernels is not None:
         return kernels[0].dispatch(ids, num_experts, block_m=block_m)
@@ -231,9 +254,9 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     return dense_experts(params, views, E)
 
 
-def _forward_chunk(x, ids, weights, experts, E, act, save_preact, out=None, preact_out=None):
+def _forward_chunk(x, ids, weights, experts, E, act, save_preact, opts, out=None, preact_out=None):
     """y and preact of these tokens (plain-PyTorch path); written into ``out`` / ``preact_out`` when given."""
-    plan = _make_plan(ids, E, plan_block_m(x.device))
+    plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     y, preact, _ = reference.moe_ffn_forward_torch(x, ids, weights, experts, act, save_preact, plan)
     if out is not None:
         out.copy_(y)
@@ -252,41 +275,48 @@ def _moe_ffn(
     activation: str,
     checkpoint: str,
     chunk_tokens: int,
+    kernel_options: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
+    opts = decode_kernels(kernel_options)
     _check_ids_range(ids)
+    with _using(opts, x.dtype):
+        return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts)
+
+
+def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts):
     E, views = decode_layout(layout)
     T, K = ids.shape
     save = checkpoint == "activations"
     width = (2 if act.gated else 1) * h
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):  # one plan; windows of chunk_tokens * K slots bound the transients
-        plan = _make_plan(ids, E, plan_block_m(x.device))
+        plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
         y, preact = _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
                                                         window_slots=chunk_tokens * K)
         return y, preact, list(plan)  # saved for backward: the backward does not dispatch again
     chunks = _chunks(T, chunk_tokens)
     if len(chunks) == 1:
-        return *_forward_chunk(x, ids, weights, experts, E, act, save), []
+        return *_forward_chunk(x, ids, weights, experts, E, act, save, opts), []
     y = x.new_empty(x.shape)
     preact = x.new_empty((T * K, width) if save else (0,))
     for t0, t1 in chunks:
-        _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], experts, E, act, save, out=y[t0:t1],
+        _forward_chunk(x[t0:t1], ids[t0:t1], weights[t0:t1], experts, E, act, save, opts, out=y[t0:t1],
                        preact_out=preact[t0 * K: t1 * K] if save else None)
     return y, preact, []
 
 
 @_moe_ffn.register_fake
-def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens):
+def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, kernel_options=""):
     h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
+    opts = decode_kernels(kernel_options)
     width = (2 if act.gated else 1) * h
     n_pairs = ids.shape[0] * ids.shape[1]
     plan = []
     # the real implementation's choice of path; the plan's shapes follow from T, K, E and the row tile, which the
-    # real implementation reads the same way (a pinned kernel config changed between tracing and running would
-    # change the tile: the plan would then not match its traced shapes)
+    # real implementation reads the same way, from the same kernel options (an argument of the call)
     if _use_triton(x):
-        sizes = reference.plan_sizes(n_pairs, int(layout[0]), plan_block_m(x.device))
+        sizes = reference.plan_sizes(n_pairs, int(layout[0]), plan_block_m(x.device, opts, x.dtype))
         plan = [ids.new_empty((n,), dtype=torch.int32) for n in sizes]
     return x.new_empty(x.shape), x.new_empty((n_pairs, width) if checkpoint == "activations" else (0,)), plan
 
@@ -331,9 +361,9 @@ def _store_role(bufs: dict[int, Tensor], v: RoleView, E: int, grad: Tensor, accu
     dest.add_(grad) if accumulate else dest.copy_(grad)
 
 
-def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, bufs, accumulate):
+def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, bufs, accumulate, opts):
     """dx, dweights of these tokens (plain-PyTorch path); parameter gradients stored (or added) into bufs."""
-    plan = _make_plan(ids, E, plan_block_m(x.device))
+    plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     dx, dweights, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act,
                                                                 recompute)
     for v, g in zip(views, grads):
@@ -355,10 +385,18 @@ def _moe_ffn_backward(
     activation: str,
     checkpoint: str,
     chunk_tokens: int,
+    kernel_options: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     act = parse_activation(activation)
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"moeblaze.moe_ffn_backward: checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
+    opts = decode_kernels(kernel_options)
+    with _using(opts, x.dtype):
+        return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens,
+                              opts)
+
+
+def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens, opts):
     recompute = checkpoint == "recompute"
     E, views = decode_layout(layout)
     T, K = ids.shape
@@ -370,14 +408,14 @@ def _moe_ffn_backward(
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):
         return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs,
-                                chunk_tokens)
+                                chunk_tokens, opts)
     chunks = _chunks(T, chunk_tokens)  # the PyTorch path: a plan per chunk, built again
     dx = x.new_empty(x.shape) if len(chunks) > 1 else None
     dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
     for i, (t0, t1) in enumerate(chunks):
         pre = preact if recompute or len(chunks) == 1 else preact[t0 * K: t1 * K]
         dx_c, dw_c = _backward_chunk(grad_y[t0:t1], x[t0:t1], ids[t0:t1], weights[t0:t1], experts, views, E, act, pre,
-                                     recompute, bufs, i > 0)
+                                     recompute, bufs, i > 0, opts)
         if len(chunks) == 1:
             dx, dweights = dx_c, dw_c
         else:
@@ -386,13 +424,14 @@ def _moe_ffn_backward(
     return dx, dweights, list(bufs.values())
 
 
-def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs, chunk_tokens):
+def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs, chunk_tokens,
+                     opts):
     """The Triton path: one plan (the forward's, or built again from ids when ``plan`` is empty), windows of
     chunk_tokens * K slots. Weight gradients are written through
     tables straight into ``bufs``; over more than two windows, into float32 buffers first when those cost
     less than one window's transients (an expert spanning several windows is added to once per window:
     in float32 there, else in place in the parameters' dtype)."""
-    fwd, bwd, tables = _triton_kernels()[1:]
+    fwd, bwd, tables = _triton_kernels()[1:4]
     T, K = ids.shape
     window_slots = chunk_tokens * K
     weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
@@ -403,7 +442,7 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
                  for v in views[:3]]
     grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
         *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
-    plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device))
+    plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     dx, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
                                                grads=grad_tables, recompute=recompute,
                                                window_slots=window_slots)
@@ -419,7 +458,8 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
 
 @_moe_ffn_backward.register_fake
 def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, checkpoint,
-                           chunk_tokens):
+                           chunk_tokens, kernel_options=""):
+    decode_kernels(kernel_options)  # (validates it)
     E, views = decode_layout(layout)
     grads = []
     for first, count in _groups(len(params), views, E):
@@ -430,9 +470,10 @@ def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan
 
 
 def _setup_context(ctx, inputs, output):
-    x, ids, weights, params, layout, activation, checkpoint, chunk_tokens = inputs
+    x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, kernel_options = inputs
     _y, preact, plan = output
     ctx.layout, ctx.activation, ctx.checkpoint, ctx.chunk_tokens = layout, activation, checkpoint, chunk_tokens
+    ctx.kernel_options = kernel_options  # the backward runs with the forward's kernel options
     ctx.plan_len = len(plan)
     ctx.save_for_backward(x, ids, weights, preact, *plan, *params)
     ctx.mark_non_differentiable(preact, *plan)
@@ -447,12 +488,15 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
     if grad_y is None:  # y did not reach what is differentiated (gradients are not materialized: see above)
         grad_y = x.new_zeros(x.shape)
     dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
-        grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.checkpoint, ctx.chunk_tokens)
+        grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.checkpoint, ctx.chunk_tokens,
+        ctx.kernel_options)
     E, views = decode_layout(ctx.layout)
     dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
     for g, (_, count) in zip(grads, _groups(len(params), views, E)):
         dparams.extend(g.unbind(0) if count > 1 else [g])
-    return dx, None, dweights, dparams, None, None, None, None
+    grads = (dx, None, dweights, dparams, None, None, None, None, None)
+    # one for each argument given: the dispatcher drops kernel_options where it equals its default ("")
+    return grads[:len(ctx.needs_input_grad)]
 
 
 _moe_ffn.register_autograd(_backward, setup_context=_setup_context)
@@ -515,6 +559,9 @@ def moe_ffn(
         chunk_tokens: bounds the transient buffers to those of this many tokens (slot windows of
             ``chunk_tokens * K`` on the Triton path, token chunks on the PyTorch path); None picks
             :func:`default_chunk_tokens`, 0 processes everything at once.
+
+    The kernels run with the kernel options of ``config.current()`` at the call (``moeblaze_fx.patch(kernels=...)``),
+    in backward too.
     """
     within = None
     if not isinstance(experts, ExpertParams):
@@ -526,4 +573,5 @@ def moe_ffn(
         act = parse_activation(activation)
         chunk_tokens = default_chunk_tokens(ids.shape[-1], x.shape[-1], experts.gate.shape[1], act.gated,
                                             x.element_size())
-    return torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)[0]
+    return torch.ops.moeblaze.moe_ffn(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens,
+                                      encode_kernels(_config.current().kernels))[0]

@@ -1,16 +1,22 @@
-"""Launch configurations of the expert kernels: one factory, one escape hatch.
+"""Launch configurations of the expert kernels: one factory, one escape hatch, and the options in force.
 
 Every expert kernel belongs to one *kind*; :func:`kernel_configs` is the single place that lists the
 candidate configurations of each kind, and :func:`launch` is the single place that picks one:
 
-* ``MOEBLAZE_KERNEL_CONFIG`` set (CI, debugging, the Triton interpreter): that one configuration for
-  every kernel, no benchmarking. Format ``"block_m=16,block_n=16,block_k=16,num_warps=4,num_stages=1"``
-  (missing keys keep the defaults of :class:`KernelConfig`).
+* a pinned configuration (the kernel option ``kernel_config``, ``config.KernelOptions``; CI, debugging): that one
+  configuration for every kernel, no benchmarking. Format ``"block_m=16,block_n=16,block_k=16,num_warps=4,
+  num_stages=1"`` (missing keys keep the defaults of :class:`KernelConfig`).
 * under ``TRITON_INTERPRET=1`` without a pin: :data:`INTERPRETER_CONFIG` (tiny tiles, no benchmarking).
+* float32 operands on the GPU without a pin: :data:`FLOAT32_CONFIG` (exact IEEE products on the CUDA cores; the
+  candidates below are sized for 16-bit operands' shared memory and tensor cores).
 * otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes; after the first launch of
-  a key, :func:`launch` calls the kernel with the tuner's choice directly (``MOEBLAZE_LEAN_LAUNCH=0``: never).
+  a key, :func:`launch` calls the kernel with the tuner's choice directly.
   A kind with one candidate is launched with it directly, never through the tuner (``dh_act`` must be: it
   overwrites its input).
+
+The kernel options in force (:func:`options`) are those of the innermost :func:`using` block on this thread: the
+operators (``ops.py``) run their kernels inside one, with the options their call carries; outside any, those of
+``config.current()``.
 
 Kinds, and what ``block_m/n/k`` mean for each:
 
@@ -30,21 +36,27 @@ the plan's ``tile_expert``/``tile_start`` are built for one tile height.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
-import os
+import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import config as _config
+from ..config import KernelOptions, interpreting
+
 __all__ = [
-    "ENV_VAR",
     "KernelConfig",
     "INTERPRETER_CONFIG",
+    "FLOAT32_CONFIG",
     "DEFAULT_BLOCK_M",
     "interpreting",
+    "options",
+    "using",
     "autotuning",
     "pinned_config",
     "plan_block_m",
@@ -56,7 +68,6 @@ __all__ = [
     "launch",
 ]
 
-ENV_VAR = "MOEBLAZE_KERNEL_CONFIG"
 # Tile height of the dispatch plan on the GPU: 128 rows feed the H100's wgmma at full width.
 DEFAULT_BLOCK_M = 128
 # Every tuned config of the `dh` kinds has block_n a multiple of this (asserted in kernel_configs);
@@ -118,43 +129,63 @@ def _fit_hook(nargs: dict) -> None:  # a triton.Config pre_hook: nargs holds the
 
 
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)
+# float32 on the GPU: tl.dot with input_precision="ieee" (expert_fwd.dot_precision) runs on the CUDA cores, so small
+# tiles; two 64 x 64 fp32 accumulators (up) and 2 stages of 24 KB fit every kind (dh's three accumulators too).
+FLOAT32_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, group_m=8)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+class _Scope(threading.local):
+    """Per thread: (KernelOptions, fixed KernelConfig or None) of the open :func:`using` blocks, innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[KernelOptions, KernelConfig | None]] = []
+
+
+_SCOPE = _Scope()
+
+
+@contextlib.contextmanager
+def using(opts: KernelOptions, dtype: torch.dtype | None = None) -> Iterator[KernelOptions]:
+    """Run the kernels launched inside the block (on this thread) with ``opts``, on operands of ``dtype`` (float32
+    takes :data:`FLOAT32_CONFIG` where nothing else is pinned)."""
+    if not isinstance(opts, KernelOptions):
+        raise TypeError(f"using() takes a config.KernelOptions, got {type(opts).__name__}")
+    _SCOPE.stack.append((opts, _resolve_fixed(opts, dtype)))
+    try:
+        yield opts
+    finally:
+        _SCOPE.stack.pop()
+
+
+def options() -> KernelOptions:
+    """The kernel options in force: the innermost :func:`using` block's, else ``config.current().kernels``."""
+    stack = _SCOPE.stack
+    return stack[-1][0] if stack else _config.current().kernels
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_pinned(spec: str) -> KernelConfig:
+    values = dict((k, int(v)) for k, _, v in (item.partition("=") for item in spec.split(",")))
+    return KernelConfig(**values)  # (validated by config.KernelOptions)
 
 
 def pinned_config() -> KernelConfig | None:
-    """The configuration pinned by ``MOEBLAZE_KERNEL_CONFIG``, read at every call (so tests can set it)."""
-    spec = os.environ.get(ENV_VAR, "").strip()
-    if not spec:
-        return None
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    values: dict[str, int] = {}
-    for item in spec.split(","):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in fields:
-            raise ValueError(f"{ENV_VAR}={spec!r}: expected comma-separated key=value with keys from {sorted(fields)}")
-        try:
-            values[key] = int(value)
-        except ValueError:
-            raise ValueError(f"{ENV_VAR}={spec!r}: {key} must be an integer, got {value!r}") from None
-    cfg = KernelConfig(**values)
-    for name in ("block_m", "block_n", "block_k"):
-        v = getattr(cfg, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{ENV_VAR}={spec!r}: {name} must be a power of two >= 16, got {v}")
-    if cfg.split_n not in (1, 2):
-        raise ValueError(f"{ENV_VAR}={spec!r}: split_n must be 1 or 2, got {cfg.split_n}")
-    return cfg
+    """The configuration pinned by the kernel option ``kernel_config`` in force, or None."""
+    spec = options().kernel_config
+    return _parse_pinned(spec) if spec else None
+
+
+def _resolve_fixed(opts: KernelOptions, dtype: torch.dtype | None = None) -> KernelConfig | None:
+    if opts.kernel_config:
+        return _parse_pinned(opts.kernel_config)
+    if interpreting():
+        return INTERPRETER_CONFIG
+    return FLOAT32_CONFIG if dtype == torch.float32 else None
 
 
 def _fixed_config() -> KernelConfig | None:
-    cfg = pinned_config()
-    if cfg is None and interpreting():
-        cfg = INTERPRETER_CONFIG
-    return cfg
+    stack = _SCOPE.stack
+    return stack[-1][1] if stack else _resolve_fixed(_config.current().kernels)
 
 
 def autotuning() -> bool:
@@ -195,7 +226,7 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dh_gemm":  # the GEMM alone: no epilogue registers, so the 256-wide tiles of up and down fit
         cfgs = [KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_n=2)]
-    elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100, thirteenth session (RESULTS.md), ms at
+    elif kind == "dh_act":  # memory-bound: one configuration, no tuning. H100 (docs/dh.md), ms at
         # C / D / A, the partials by slot: 128 x 64 tiles with 16 warps and group_m 1 (the rows' columns in order)
         # 0.418 / 0.556 / 4.40, 2.9 TB/s against a 3.0 TB/s copy; two 64-column halves with 8 warps 0.514 / 0.683 /
         # 5.48 (with group_m 8 and the partials by pair, the earlier choice: 0.556 / 0.749 / 6.13); a 128 x 128 tile,
@@ -206,10 +237,10 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
                 KernelConfig(block_n=256, block_k=64, num_warps=8, num_stages=4),
                 KernelConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)]
     elif kind == "dw":  # the gathered operand on A's side (dW_gate, dW_up computed transposed). H100, 2026-11-21
-        # (eighth session), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
+        # (docs/dw.md), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
         # s5 C 0.96 / 0.97, D 1.10 / 1.13, A 7.46 / 8.11 (7 and 5 stages hold 4 and 3 tile buffers: the gathered
         # rows' indices take a stage). 256x128 (s3 with the rows in registers, s7) 18-33 % slower on both; 128x128
-        # tiles 25-35 % slower (earlier sessions)
+        # tiles 25-35 % slower (docs/dw.md)
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=7),
                 KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5)]
     else:
@@ -233,7 +264,7 @@ def tuned(kernel, kind: str, key: list[str]):
 
 # The autotuner's choice per launch key (see _launch_key): later launches with that key go straight to the
 # kernel with it. Triton's Autotuner.run rebuilds its key from every argument at every launch, and a windowed
-# step makes ~10 launches a window: its host time, not its kernels, bounded the step (benchmarks/RESULTS.md).
+# step makes ~10 launches a window: its host time, not its kernels, bounded the step (docs/host.md).
 _CHOSEN: dict[tuple, dict] = {}
 _KEY_POSITIONS: dict[object, tuple] = {}  # per tuned kernel (module-level singletons, keyed by themselves)
 
@@ -253,8 +284,7 @@ def _launch_key(tuned_kernel, args: tuple, constexprs: dict) -> tuple:
 def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
     """Launch with the pinned / interpreter configuration when there is one, else through the autotuner: the
     first launch of each key (:func:`_launch_key`) runs ``tuned_kernel`` (tuning when its key is new), later
-    ones run ``kernel`` with the configuration it chose, the same call without the tuner's bookkeeping
-    (``MOEBLAZE_LEAN_LAUNCH=0``: always through the tuner, for comparisons).
+    ones run ``kernel`` with the configuration it chose, the same call without the tuner's bookkeeping.
 
     ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
     cfg = _fixed_config()
@@ -264,8 +294,6 @@ def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
         meta = cfg.meta(kind)
         fit_descriptors(args, meta)
         return kernel[grid](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if os.environ.get("MOEBLAZE_LEAN_LAUNCH", "1") == "0":
-        return tuned_kernel[grid](*args, **constexprs)
     key = _launch_key(tuned_kernel, args, constexprs)
     chosen = _CHOSEN.get(key)
     if chosen is None:

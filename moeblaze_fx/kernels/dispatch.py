@@ -53,18 +53,17 @@ program (its lowering may use shared-memory increments; integer counts do not de
 Floor (H100 ~3.0 TB/s, H200 ~4.3 TB/s, read + write): ids read once (8*N bytes for int64) plus
 token_index and slot_of written once (8*N bytes): T=1M, K=8 -> 128 MB -> ~43 us (H100), ~30 us (H200).
 This design reads the ids twice (launches 1 and 3), ~64 MB more. Predicted ~0.1 ms at 1M x 8 if the
-in-register sort kept up; it does not: measured on an H200 (commit ccf1907, benchmarks/RESULTS.md)
+in-register sort kept up; it does not: measured on an H200 (commit ccf1907; docs/dispatch.md)
 0.18 ms (E = 8), 0.20 ms (E = 64), 0.33 ms (E = 256) at 1M x 8, of which the scatter launch (the sort)
 is 131-282 us, the histogram 30-35 us (~2 TB/s of ids read) and the scan 10 us. Below ~1M pairs the
 host side of the three launches (~80 us per call) is the cost unless the call is replayed in a CUDA
 graph (10-20 us on the device).
 
-``MOEBLAZE_DISPATCH_CONFIG="path,chunk,block,num_warps"`` (e.g. ``"sort,4096,512,4"``) pins one
-configuration, for CI and for debugging.
+The kernel option ``dispatch_config="path,chunk,block,num_warps"`` (e.g. ``"sort,4096,512,4"``,
+``config.KernelOptions``) pins one configuration, for tests and for debugging.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -72,13 +71,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..config import interpreting
+from .autotune import options
 from .launch import launch
 from .reference import DispatchPlan, dispatch_reference, max_tiles
 
 __all__ = ["DispatchConfig", "dispatch", "dispatch_forward", "default_config", "MAX_EXPERTS"]
 
 # Kernels were decorated in interpreter mode iff the variable was set at import (Triton decides then).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = interpreting()
 
 # The per-program tables (offsets, starts, tl.histogram bins) live in registers: next_pow2(E + 1) of
 # them. 1024 experts (2048 bins) covers every published MoE; above it use dispatch_reference.
@@ -301,22 +302,16 @@ def _check_args(ids: Tensor, num_experts: int, block_m: int) -> None:
         raise ValueError(f"block_m must be a positive power of two (e.g. 64), got {block_m!r}")
 
 
-def _config_from_env(value: str) -> DispatchConfig:
-    try:
-        path, chunk, block, num_warps = (v.strip() for v in value.split(","))
-        config = DispatchConfig(path, int(chunk), int(block), int(num_warps))
-    except ValueError:
-        raise ValueError(
-            f"MOEBLAZE_DISPATCH_CONFIG={value!r}: expected 'path,chunk,block,num_warps', e.g. 'sort,4096,512,4'"
-        ) from None
-    return config
+def _pinned(spec: str) -> DispatchConfig:
+    path, chunk, block, num_warps = spec.split(",")  # (validated by config.KernelOptions)
+    return DispatchConfig(path, int(chunk), int(block), int(num_warps))
 
 
 def default_config(num_pairs: int, num_experts: int) -> DispatchConfig:
-    """The configuration ``dispatch`` uses; ``MOEBLAZE_DISPATCH_CONFIG`` overrides it."""
-    pinned = os.environ.get("MOEBLAZE_DISPATCH_CONFIG")
+    """The configuration ``dispatch`` uses; the kernel option ``dispatch_config`` in force overrides it."""
+    pinned = options().dispatch_config
     if pinned:
-        return _config_from_env(pinned)
+        return _pinned(pinned)
     # About two chunks per SM (132 on H100/H200) while that keeps chunks of 512..4096 pairs.
     chunk = min(max(triton.next_power_of_2(triton.cdiv(num_pairs, 264)), 512), 4096)
     # H200 sweeps (a420f50, 1a3e932), 4 warps: sorting 512 keys at a time beat 1024..4096 at every size;

@@ -4,7 +4,7 @@ Same contract as ``expert_fwd._expert_down_kernel`` for one slot window: for eve
 ``out[slot] = a[slot, :k] @ B0[e] (+ a[slot, k:2k] @ B1[e]) (+ bias[e])``; forward Y = H @ W_down[e].T, backward
 dX = dA @ W_gate[e] + dB @ W_up[e]. The two kernels compute each output element with the same tile (128 x 256),
 the same 64-wide contraction steps in the same order and the same fp32 bias add, so their outputs are bitwise
-equal (checked on the H100: ``benchmarks/proto_down_ws_h100.json`` and the cuda tests).
+equal (checked on the H100 by the cuda tests; docs/down.md).
 
 Why: the down kernel is the one GEMM here whose operands are both plain row blocks (A: the window's slot rows;
 B: an expert's weight matrix), so both can be copied by TMA, issued by one producer warp. The Triton kernel runs one
@@ -18,7 +18,7 @@ program per SM walks its tiles:
   expert's last rows, or a tile cut by the window) through masked pointer stores.
 
 H100, raw launches, same process (2026-11-22): Y / dX 10 % / 10 % faster at config C, 7 % / 6 % at D, 3 % / 10 %
-at A (benchmarks/RESULTS.md, eleventh session).
+at A (docs/down.md).
 
 B is read through 2-D descriptors over each table's storage: expert e's matrix is rows ``e * e_rows ..`` of
 ``[rows, cols]`` with unit column stride, where ``[E, rows, cols]`` is the table's ``[E, k, n]`` view (n contiguous,
@@ -26,16 +26,17 @@ B is read through 2-D descriptors over each table's storage: expert e's matrix i
 next expert: with rows = n they only reach output columns past n, which are never stored; with rows = k they
 would be summed in, so that layout needs k % 64 == 0. :func:`weights` says when a launch qualifies; everything
 else takes the Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel; the cuda tests
-compare it with the Triton kernel bit for bit. ``MOEBLAZE_GLUON_DOWN=0`` turns it off (read at every call).
+compare it with the Triton kernel bit for bit. The kernel option ``gluon=False`` (``config.KernelOptions``) turns it
+off, with the other Gluon kernels.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
+from .autotune import options
 from .launch import launch
 
 try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
@@ -53,9 +54,8 @@ try:  # Gluon is experimental: its import (and API) may be missing from a Triton
 except ImportError:  # pragma: no cover - depends on the Triton build
     _GLUON = False
 
-__all__ = ["ENV_VAR", "enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches"]
+__all__ = ["enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches"]
 
-ENV_VAR = "MOEBLAZE_GLUON_DOWN"
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # BLOCK_M is the plan's row tile
 STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernel
@@ -145,7 +145,7 @@ if _GLUON:
             e, start, first, end, pid_n = _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr,
                                                 offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
-                # Without the fact, ptxas serializes every wgmma (benchmarks/NOTES-kernels.md, sixth session).
+                # Without the fact, ptxas serializes every wgmma (H100; docs/down.md).
                 gl.assume(steps > 0)
                 acc = gl.zeros([BM, BN], gl.float32, layout=mma)
                 for k in range(steps):
@@ -219,8 +219,9 @@ if _GLUON:
 
 
 def enabled() -> bool:
-    """``MOEBLAZE_GLUON_DOWN`` is not "0" (read at every call, so a process can compare both kernels)."""
-    return os.environ.get(ENV_VAR, "1") != "0"
+    """Whether the Gluon kernels (this one, :mod:`.gather_sm90`'s, :mod:`.dw_sm90`'s) may take launches: the kernel
+    option ``gluon`` in force (``autotune.options()``)."""
+    return options().gluon
 
 
 def launches() -> int:

@@ -7,7 +7,7 @@ whose slots start in this window (or one with no slots that is this window's to 
 when it has no slots here); one whose slots started in an earlier window, or every expert with slots when
 accumulating, starts from its stored value. Each output element sums the same products in the same order as the
 Triton kernel (one fp32 accumulator, 64 slots a step, starting from the stored value when adding), so the two are
-bitwise equal (checked on the H100: ``benchmarks/proto_dw_ws_h100.json`` and the cuda tests).
+bitwise equal (checked on the H100 by the cuda tests; docs/dw.md).
 
 One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of ``b``'s), expert by expert:
 
@@ -21,21 +21,19 @@ One program per SM walks the output tiles (128 rows of ``a``'s columns x 256 of 
   2-D view (``STORE_TMA``: Hugging Face's and every stacked layout), the tile leaves through an asynchronous TMA
   store, waited for only before the next tile's, and so overlaps the next tile's contraction; for a transposed table
   (``O_COL``, as dW_gate and dW_up are) the shared tile is [n, m], written with transposing stmatrix. Otherwise (a
-  table of separate tensors, or ``MOEBLAZE_DW_STORE_TMA=0``) it is read back and stored with 16-byte pointer stores
-  along the output's contiguous axis.
+  table of separate tensors: ``ModuleList`` experts) it is read back and stored with 16-byte pointer stores along the
+  output's contiguous axis.
 
 An expert's last step, when ragged, copies ``b``'s rows with cp.async too, as zeros past the expert's end (the
 rows there belong to the next expert, or are unrouted slots that nothing writes), as the Triton kernel masks them;
 those copies land under the A stage's barrier.
 
 H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 4-7 % at D, 1-3 % at A
-(benchmarks/RESULTS.md, eleventh session). :func:`usable` says when a launch qualifies; everything else takes the
-Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. ``MOEBLAZE_GLUON_DW=0`` turns it
-off (read at every call).
+(docs/dw.md). :func:`usable` says when a launch qualifies; everything else takes the
+Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. The kernel option ``gluon=False``
+turns it off (``down_sm90.enabled``).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -57,11 +55,8 @@ if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
         warpgroup_mma_wait,
     )
 
-__all__ = ["ENV_VAR", "STORE_TMA_ENV_VAR", "enabled", "store_tma_enabled", "usable", "dw_sm90", "launches",
-           "store_launches"]
+__all__ = ["usable", "dw_sm90", "launches", "store_launches"]
 
-ENV_VAR = "MOEBLAZE_GLUON_DW"
-STORE_TMA_ENV_VAR = "MOEBLAZE_DW_STORE_TMA"
 TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
 # a's 16 KB and b's 32 KB stages: with the 64 KB output tile, 224 KB of shared memory (a fourth stage of the
 # gathered operand, as in gather_sm90)
@@ -166,7 +161,7 @@ if _GLUON:
             if write:
                 out_e = gl.multiple_of(gl.load(out_table_ptr + e).to(gl.pointer_type(dtype)), 16)
                 if n_k > 0:
-                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/down.md)
                     if MAY_ADD:  # start from the stored value where adding (zeros elsewhere), as the Triton kernel
                         rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
                         cn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
@@ -277,11 +272,6 @@ if _GLUON:
         ], [4], [PRODUCER_REGS])
 
 
-def enabled() -> bool:
-    """``MOEBLAZE_GLUON_DW`` is not "0" (read at every call, so a process can compare both kernels)."""
-    return os.environ.get(ENV_VAR, "1") != "0"
-
-
 def launches() -> int:
     """How many times this process has launched the kernel (for tests)."""
     return _LAUNCHES[0]
@@ -297,7 +287,7 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
     output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
     (``out``, a :class:`~.tables.WeightTable`) of [rows, cols] multiples of the tile's [128, 256] (the copies never
     cross a row's end), with one unit stride, the other a multiple of 16 bytes, and 16-byte aligned matrices."""
-    if not (_GLUON and enabled() and tokens.is_cuda and down_sm90._is_sm90(tokens.device)):
+    if not (_GLUON and down_sm90.enabled() and tokens.is_cuda and down_sm90._is_sm90(tokens.device)):
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
         return False
@@ -320,17 +310,11 @@ def table_ok(out) -> bool:
                                                                        (out.stride_c * item) % 16 == 0)
 
 
-def store_tma_enabled() -> bool:
-    """``MOEBLAZE_DW_STORE_TMA`` is not "0" (read at every call): output tiles leave through TMA stores where
-    :func:`_store_desc` can describe the output."""
-    return os.environ.get(STORE_TMA_ENV_VAR, "1") != "0"
-
-
 def _store_desc(out):
     """(descriptor, e_rows) through which the kernel stores dW tiles with TMA, or None: the output table must address
     one ``[E, m, n]`` tensor (``out.dense``) whose experts are row blocks of one 2-D view, rows along m (n contiguous)
     or, for a transposed table (``O_COL``), along n (m contiguous). Alignment is :func:`usable`'s."""
-    if out.dense is None or not store_tma_enabled():
+    if out.dense is None:
         return None
     col = out.stride_c != 1
     rv = down_sm90._rows_view(out.dense.transpose(1, 2) if col else out.dense)

@@ -38,9 +38,10 @@ adding onto those that started earlier; dx and the bias gradients add up across 
 
 On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.dw_sm90` when the
 shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
-``MOEBLAZE_GLUON_DW=0`` keeps the Triton kernel. Likewise dh's GEMM (the split's first launch) goes to the gathering
-kernel of :mod:`.gather_sm90` when d % 64 == 0 and W_down is row blocks of one tensor (``MOEBLAZE_GLUON_GATHER=0``);
-for SwiGLU both launches are one there, dH' never stored (``MOEBLAZE_GLUON_DH_ACT=0`` keeps two). Under "recompute"
+Likewise dh's GEMM (the split's first launch) goes to the gathering kernel of :mod:`.gather_sm90` when d % 64 == 0
+and W_down is row blocks of one tensor; for a gated activation of ``gather_sm90.ACTIVATIONS`` with h % 16 == 0 both
+launches are one there, dH' never stored (elsewhere the epilogue stays a Triton launch). The kernel option
+``gluon=False`` (``config.KernelOptions``) keeps the Triton kernels everywhere. Under "recompute"
 with an activation of ``gather_sm90.ACTIVATIONS``, no biases and h % 16 == 0, the forward's Gluon up kernel computes
 the window's A|B again into the dA|dB buffer and the fused dh runs in place over it (each element read before it is
 written, by the program that writes it): the same kernels on the same A|B as "activations", so bitwise its results,
@@ -153,7 +154,7 @@ def _dh_epilogue(
     # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
     # [col0 / CHUNK_N, (col0 + BLOCK_N) / CHUNK_N): the first gets the sum, the rest 0. Stored by slot (the tile's
     # rows, one contiguous run): by pair they were scattered 4-byte stores, 5-10 % of the split's second launch
-    # (H100, benchmarks/RESULTS.md, thirteenth session).
+    # (H100; docs/dh.md).
     part_ptrs = part_ptr + (col0 // CHUNK_N).to(tl.int64) * stride_part_c + (start + local).to(tl.int64)
     tl.store(part_ptrs, part, mask=row_mask)
     for j in tl.static_range(1, BLOCK_N // CHUNK_N):
@@ -387,7 +388,7 @@ def _expert_dw_kernel(
     The gathered operand is always A (tokens' columns along the tile's rows) and the slot-ordered one B:
     a weight gradient whose natural form has the gathered operand on the right (dW_gate = dA.T @ x[tok]) is
     computed transposed, through a transposed output table. With the gathered operand on the right instead, the
-    best tile of that form ran 6-11 % slower (H100, raw launches, benchmarks/RESULTS.md, eighth session)."""
+    best tile of that form ran 6-11 % slower (H100, raw launches; docs/dw.md)."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
@@ -442,7 +443,7 @@ def _expert_dw_kernel(
     # The token rows are loaded in the chunk's own iteration: the pipeliner treats that as an indirect load
     # and copies them into shared memory a stage ahead of the tile copy needing them (a stage more: 5 stages
     # hold 3 tile buffers). A register prefetch one chunk ahead is worse: the pipeliner re-issues it in the
-    # iteration of the copy that needs it, which then waits on it (TTGIR, sm_90; RESULTS.md, seventh session).
+    # iteration of the copy that needs it, which then waits on it (TTGIR, sm_90; docs/dw.md).
     # Slot-ordered rows are the window's: row = slot - slot0.
     s = seg_lo + offs_s
     n_full = tl.maximum(seg_hi - seg_lo, 0) // BLOCK_K
@@ -450,7 +451,7 @@ def _expert_dw_kernel(
         # A descriptor built by the host, over the whole window: full chunks never cross the segment's end, and
         # a program builds no descriptor of its own. One bounded by the segment, built here, cost the three dW
         # launches 4.9 % at C and 2.6 % at D in the layer step: a global write and a proxy fence on the way to
-        # the first load (H100, RESULTS.md, ninth session).
+        # the first load (H100; docs/dw.md).
         tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == BLOCK_N))
     for i in range(0, n_full):
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
@@ -539,7 +540,7 @@ _expert_dh_act_tuned = autotune.tuned(_expert_dh_kernel, "dh_act", key=["d", "h"
 # Under "activations" the dh kernel runs as two launches: its GEMM alone, storing dH' into the w*H buffer, with
 # the wide tiles that the epilogue's registers rule out; then its epilogue, reading dH' back and overwriting it
 # with w*H. One more round trip of dH' through memory in x.dtype, and no more memory. H100, raw launches,
-# fused / split (eighth session): C 1.47 / 1.29 ms, D 1.89 / 1.66, A 13.27 / 13.03, B 9.46 / 8.63.
+# fused / split (docs/dh.md): C 1.47 / 1.29 ms, D 1.89 / 1.66, A 13.27 / 13.03, B 9.46 / 8.63.
 # False: one fused launch (kept for comparisons; the tests keep it right).
 DH_SPLIT = True
 
@@ -553,7 +554,7 @@ def _dw_tma(slots: Tensor) -> bool:
     """Whether the dW kernel reads the slot-ordered operand (dA, dB or w*H) through a tensor descriptor
     (TMA on the GPU) rather than through pointers: where a descriptor can describe it (unit column stride,
     16-byte aligned base and row stride) and the device has TMA (sm_90+; the Triton interpreter runs
-    descriptors too). H100, 2026-11-21 (benchmarks/NOTES-kernels.md): dW_down at config A 10.03 -> 8.61 ms
+    descriptors too). H100, 2026-11-21 (docs/dw.md): dW_down at config A 10.03 -> 8.61 ms
     with 128x256x64 tiles and 4 stages."""
     item = slots.element_size()
     if slots.numel() == 0 or slots.stride(1) != 1 or (slots.stride(0) * item) % 16 or slots.data_ptr() % 16:

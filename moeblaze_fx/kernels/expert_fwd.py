@@ -49,15 +49,16 @@ Tensor descriptors: where a weight matrix has a unit stride, a 16-byte aligned o
 from ``ptrs[e]`` (TMA on sm_90; :func:`weight_tma_mode` picks the orientation, ``W_TMA`` / ``B_TMA``), and
 the backward's dW kernel does the same for its slot-ordered operand. Tiles past a bound read as zeros,
 where the pointer loads mask or wrap; both feed only outputs that are dropped at the store or zero
-terms, so the stored results of the two paths are bitwise equal.
-``MOEBLAZE_TMA=0`` turns descriptors off.
+terms, so the stored results of the two paths are bitwise equal. Pointer loads remain for weights a descriptor
+cannot describe (a stride or base that is not 16-byte aligned: odd widths, offsets into a parameter) and devices
+before sm_90.
 
 On sm_90, :func:`down_project` hands its launches to the Gluon kernel of :mod:`.down_sm90` (persistent,
 warp-specialized, both operands through TMA; bitwise equal results) when the weights are row blocks of one
-tensor and the window's rows are 16-byte aligned; ``MOEBLAZE_GLUON_DOWN=0`` keeps the Triton kernel. The
-SwiGLU up projection without biases goes to :mod:`.gather_sm90` (the same structure with a producer that gathers x's
-rows; bitwise equal results) when d % 64 == 0 and the weights are row blocks of one tensor;
-``MOEBLAZE_GLUON_GATHER=0`` keeps the Triton kernel.
+tensor and the window's rows are 16-byte aligned. The gated up projection without biases goes to
+:mod:`.gather_sm90` (the same structure with a producer that gathers x's rows; bitwise equal results) when
+d % 64 == 0 and the weights are row blocks of one tensor. The kernel option ``gluon=False``
+(``config.KernelOptions``) keeps the Triton kernels.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
@@ -66,7 +67,6 @@ untuned, so the operator may prefer the plain-PyTorch path for fp32.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -515,10 +515,7 @@ def table_align(*tables: WeightTable | None) -> int:
 
 def tma_available(device: torch.device) -> bool:
     """Whether kernels may build tensor descriptors on ``device``: TMA (sm_90+), or the Triton interpreter
-    (which runs them too), unless ``MOEBLAZE_TMA=0`` (pointer loads everywhere: for comparisons). Sets
-    Triton's scratch allocator when needed (:func:`ensure_tma_allocator`)."""
-    if os.environ.get("MOEBLAZE_TMA", "1") == "0":
-        return False
+    (which runs them too). Sets Triton's scratch allocator when needed (:func:`ensure_tma_allocator`)."""
     if autotune.interpreting():
         return True
     if device.type != "cuda" or not _has_tma(device.index if device.index is not None else torch.cuda.current_device()):
@@ -530,7 +527,7 @@ def tma_available(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _has_tma(index: int) -> bool:
     """CUDA device ``index`` is sm_90 or newer (and not ROCm: descriptors are untested there). Cached: it is
-    asked at every launch, and a windowed step's launches are bound by the host (benchmarks/RESULTS.md)."""
+    asked at every launch, and a windowed step's launches are bound by the host (docs/host.md)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -554,7 +551,7 @@ def weight_tma_mode(strides: list[tuple[int, int]], align: int, itemsize: int, d
     """How a launch reads its weight tiles B[e] [k, n], given each table's (stride_k, stride_n) and their
     proven byte alignment: 1 = tensor descriptors with n contiguous, 2 = with k contiguous, 0 = pointers.
     A descriptor needs a 16-byte aligned base, a unit stride and a 16-byte aligned other stride.
-    Measured: benchmarks/RESULTS.md, "Tensor descriptors" (the up and down rows)."""
+    Measured: docs/up.md, docs/down.md (tensor descriptors)."""
     if align < 16 or not strides or not tma_available(device):
         return 0
     for mode, unit in ((1, 1), (2, 0)):
@@ -710,7 +707,7 @@ def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim
     # the [E, k, n] / [E, n, k] views a descriptor of every expert's B is built over (None: no such view)
     views = [_desc_view(t, k_is_rows, mode) for t in ([b0] if b1 is None else [b0, b1])] if mode else [None]
     whole = all(v is not None for v in views)
-    host = whole and host_weight_descs()
+    host = whole  # one descriptor over every expert's B, built here (see host_weight_desc)
     descs = tuple(host_weight_desc(v, mode) for v in views) if host else (b0.ptrs,)
     sm90 = down_sm90.weights(views[0], views[1] if b1 is not None else None, mode == 2, k_dim) \
         if whole and x.is_cuda else None
@@ -743,19 +740,15 @@ def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: Dispat
     return out
 
 
-def host_weight_descs() -> bool:
-    """Whether the down kernel reads its weight tiles through one host-built descriptor per table (tables of
-    one [E, r, c] tensor) rather than one built by every program; ``MOEBLAZE_HOST_WEIGHT_DESC=0``: never
-    (read at every call, as ``MOEBLAZE_TMA``). H100, layer step, device time of the down launches (Y and dX)
-    with / without: C 2.28 / 2.38 ms, D 2.68 / 2.82, A 17.18 / 17.49 (benchmarks/RESULTS.md, ninth session). The
-    up kernel keeps its per-program descriptors: through the host's it was 5 % slower at C (3 % faster at D)."""
-    return os.environ.get("MOEBLAZE_HOST_WEIGHT_DESC", "1") != "0"
-
-
 def host_weight_desc(view: Tensor, mode: int):
     """A tensor descriptor over every expert's B[e][k, n], given as the table's ``view`` from :func:`_desc_view`
     for ``mode`` (:func:`weight_tma_mode`, which has proven the unit stride, the other stride's and the base's
-    alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows the launch's configuration."""
+    alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows the launch's configuration.
+
+    The down kernel reads a table of one [E, r, c] tensor through this one host-built descriptor, a table of
+    separate tensors through one built by every program. H100, layer step, device time of the down launches (Y and
+    dX) host / per-program descriptors: C 2.28 / 2.38 ms, D 2.68 / 2.82, A 17.18 / 17.49 (docs/down.md). The up
+    kernel keeps its per-program descriptors: through the host's it was 5 % slower at C (3 % faster at D)."""
     if mode == 1:
         return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]])
     return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
@@ -783,11 +776,11 @@ def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int,
     (:func:`_expert_combine_window_kernel`, bitwise the same sums) and touches only its tokens' rows, out zeroed
     first unless ``accumulate``: a token-major pass per window would read and write all of out once per window,
     T * d * windows in all (at 2M tokens of the issue's scale shape, 49 windows: a fifth of the step). Where a window
-    reaches most tokens anyway, the token-major pass's coalesced rows cost a little less (C of BENCHMARKS.md with
-    128 MiB of transients: 1.21 against 1.28 ms of combines a step). ``MOEBLAZE_WINDOW_COMBINE=0`` runs every window
-    token-major (read at every call: for comparisons)."""
+    reaches most tokens anyway, the token-major pass's coalesced rows cost a little less (config C of
+    docs/benchmarks.md with 128 MiB of transients: 1.21 against 1.28 ms of combines a step;
+    docs/combine-and-windows.md)."""
     slot0, slot1 = window
-    if slot1 - slot0 >= T or os.environ.get("MOEBLAZE_WINDOW_COMBINE", "1") == "0":
+    if slot1 - slot0 >= T:
         return combine_tokens(y_slots, weights, plan.slot_of, T, K, out, window, accumulate)
     d = out.shape[1]
     if not accumulate:

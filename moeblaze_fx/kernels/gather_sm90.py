@@ -15,7 +15,7 @@ tiles (the plan's 128-slot tiles):
   dA|dB, w*H and the routing-weight partials from it block by block (32 rows x 64 columns, one block per n_k / 16
   steps) after each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop.
   Each block's A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage
-  less for it). dH' never goes to memory. H100, fused / two launches, ms (RESULTS.md, eighteenth session): C 0.91
+  less for it). dH' never goes to memory. H100, fused / two launches, ms (docs/dh.md): C 0.91
   / 1.09, D 1.15 / 1.42, A 9.3 / 11.1.
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
@@ -38,16 +38,16 @@ One program per SM walks the output tiles in the Triton kernels' grouped order (
   to shared memory rounded; a full tile leaves through asynchronous TMA stores, a ragged one (an expert's last rows,
   a tile cut by the window, columns past h) through masked pointer stores. The up projection's H is computed from
   the rounded A|B read back from shared memory during the next tile's K loop, in blocks of 32 x 64 after a step's
-  MMA wait as the fused dh's epilogue, and stored through pointers (``MOEBLAZE_GLUON_UP_NEXT=0``: right after the
-  tile's own K loop, written over A's half once A's store has read it, and stored through TMA).
+  MMA wait as the fused dh's epilogue, and stored through pointers (computed right after the tile's own K loop
+  instead, H was slower: docs/up.md).
 
 :func:`up_usable`, :func:`dh_usable` and :func:`dh_act_usable` say when a launch qualifies; everything else takes
-the Triton kernels. Gluon has no interpreter, so the CPU tests cannot run these kernels. ``MOEBLAZE_GLUON_GATHER=0``
-turns them off, ``MOEBLAZE_GLUON_DH_ACT=0`` only the fused dh (read at every call).
+the Triton kernels (dh where the fused kernel does not apply: its GEMM here, its epilogue as a Triton launch).
+Gluon has no interpreter, so the CPU tests cannot run these kernels. The kernel option ``gluon=False``
+(``config.KernelOptions``) turns them off (``down_sm90.enabled``).
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -72,18 +72,14 @@ if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
         warpgroup_mma_wait,
     )
 
-__all__ = ["ENV_VAR", "enabled", "GatherWeights", "up_weights", "dh_weights", "up_usable", "dh_usable", "up_sm90",
-           "dh_sm90", "launches", "ACT_ENV_VAR", "act_enabled", "act_launches", "dh_act_usable", "dh_act_sm90",
-           "UP_ENV_VAR", "up_next_enabled"]
+__all__ = ["GatherWeights", "up_weights", "dh_weights", "up_usable", "dh_usable", "up_sm90", "dh_sm90", "launches",
+           "act_launches", "dh_act_usable", "dh_act_sm90"]
 
-ENV_VAR = "MOEBLAZE_GLUON_GATHER"
-ACT_ENV_VAR = "MOEBLAZE_GLUON_DH_ACT"  # "0": dh's epilogue as its own Triton launch, as before the fused kernel
-UP_ENV_VAR = "MOEBLAZE_GLUON_UP_NEXT"  # "0": up computes a tile's H after its own K loop, as before
 BLOCK_M, BLOCK_K = 128, 64  # BLOCK_M is the plan's row tile
 UP_BLOCK_N = 128  # columns of h a tile covers: A's and B's side by side, one 128 x 256 product
 DH_BLOCK_N = 256
 # x's 16 KB and the weights' 32 KB stages: with the 64 KB output tile, 224 KB of shared memory. The fourth x stage
-# made up and dh's GEMM 2-4 % faster at C and D, and no faster at A (H100; benchmarks/RESULTS.md, fifteenth session).
+# made up and dh's GEMM 2-4 % faster at C and D, and no faster at A (H100; docs/up.md).
 A_STAGES, B_STAGES = 4, 3  # (the fused dh: 3 and 3, its A|B blocks in the fourth A stage's 16 KB)
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
@@ -273,8 +269,7 @@ if _GLUON:
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                   k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, UP_NEXT: gl.constexpr,
-                  ACT: gl.constexpr):
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, ACT: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
         ACT_EPI (dh) the activation's backward on it.
 
@@ -284,7 +279,7 @@ if _GLUON:
         after a step's wait for the previous step's MMA, while that step's own MMA runs. Each block's A|B is copied into
         ``ab_smem`` a block ahead (cp.async). The last tile's blocks run after the loop.
 
-        UP_NEXT (SWIGLU): H the same way. A tile's rounded A|B stays in ``c_smem`` (A|B's TMA stores read it
+        SWIGLU: H the same way. A tile's rounded A|B stays in ``c_smem`` (A|B's TMA stores read it
         meanwhile), and the next tile's K loop computes H from it in blocks of 32 x 64 (:func:`_up_h_run`), stored
         through pointers; the last tile's blocks run after the loop."""
         BN: gl.constexpr = c_smem.shape[1]
@@ -304,7 +299,7 @@ if _GLUON:
         # be indexed at run time
         blocks = c_smem._reinterpret(dtype, [NB, RB, 64], gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                                                 element_bitwidth=16))
-        if UP_NEXT:
+        if SWIGLU:
             NP: gl.constexpr = NB // 2  # blocks of H a tile has
         else:
             NP: gl.constexpr = NB
@@ -318,7 +313,7 @@ if _GLUON:
             e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
-                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (NOTES-kernels.md, sixth session)
+                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/down.md)
                 if ACT_EPI:  # this tile's routing weights, loaded while its K loop runs
                     gl.static_assert(NR == 4)
                     w0 = _dh_act_weights(epi, start, 0, first, end, K, RB, wl)
@@ -343,7 +338,7 @@ if _GLUON:
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
                                            p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep, ACT)
-                    if UP_NEXT:  # the pending tile's H blocks up to this step's share
+                    if SWIGLU:  # the pending tile's H blocks up to this step's share
                         done = _up_h_run(blocks, c0_ptr, stride_c0, done, ((k + 1) * NP) // n_k, p_start, p_first,
                                          p_end, p_n0, slot0, n_dim, epi[10], epi[11], NR, RB, ep, ACT)
                 n0 = pid_n * BNH
@@ -371,24 +366,16 @@ if _GLUON:
                         _store(a_smem, c1_desc, c1_ptr, row, n0, start, first, end, slot0, n_dim, stride_c1, full)
                         _store(b_smem, c1_desc, c1_ptr, row, n_dim + n0, start, first, end, slot0, 2 * n_dim,
                                stride_c1, full)
-                if SWIGLU and UP_NEXT:  # H is pending: it runs during the next tile's K loop
+                if SWIGLU:  # H is pending: it runs during the next tile's K loop
                     p_start, p_first, p_end, p_n0 = start, first, end, n0
                     done = gl.to_tensor(0)
-                elif SWIGLU:
-                    st: gl.constexpr = _st_layout(BNH)
-                    hid = act_math._act_forward(a_smem.load(st).to(gl.float32), b_smem.load(st).to(gl.float32),
-                                                epi[10], epi[11], ACT).to(dtype)
-                    tma.store_wait(0)  # A|B's stores have read a_smem
-                    a_smem.store(hid)
-                    fence_async_shared()
-                    _store(a_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
                 elif not ACT_EPI:
                     _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
         if ACT_EPI:  # the last tile's epilogue
             done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, NB, p_start, p_first, p_end,
                                p_n0, slot0, n_dim, NR, RB, ep, ACT)
             cp.wait_group(0)
-        if UP_NEXT:  # the last tile's H
+        if SWIGLU:  # the last tile's H
             done = _up_h_run(blocks, c0_ptr, stride_c0, done, NP, p_start, p_first, p_end, p_n0, slot0, n_dim,
                              epi[10], epi[11], NR, RB, ep, ACT)
         tma.store_wait(0)
@@ -408,7 +395,6 @@ if _GLUON:
         alpha, limit,  # fp32: the activation's parameters (Activation.alpha, .limit; unused by most)
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
-        UP_NEXT: gl.constexpr,  # SWIGLU: H computed during the next tile's K loop
         ACT: gl.constexpr,  # SWIGLU or ACT_EPI: the activation's code (act.ACT_CODES), one of ACTIVATIONS
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
@@ -449,7 +435,7 @@ if _GLUON:
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, UP_NEXT, ACT)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, ACT)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
@@ -464,12 +450,12 @@ if _GLUON:
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
                         GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, UP_NEXT: gl.constexpr, ACT: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
-                     True, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, UP_NEXT, ACT)
+                     True, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT)
 
     @gluon.jit
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -483,7 +469,7 @@ if _GLUON:
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
-                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, False, ACT)
+                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT)
 
     @gluon.jit
     def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -497,12 +483,7 @@ if _GLUON:
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
-                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, False, ACT)
-
-
-def enabled() -> bool:
-    """``MOEBLAZE_GLUON_GATHER`` is not "0" (read at every call, so a process can compare both kernels)."""
-    return os.environ.get(ENV_VAR, "1") != "0"
+                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, ACT)
 
 
 def launches() -> int:
@@ -520,7 +501,7 @@ class GatherWeights(NamedTuple):
 
 def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeights | None:
     """Descriptors with blocks of ``block_n`` x 64 over each view's row blocks (see :func:`up_weights`)."""
-    if not (_GLUON and enabled() and views[0].is_cuda and down_sm90._is_sm90(views[0].device)):
+    if not (_GLUON and down_sm90.enabled() and views[0].is_cuda and down_sm90._is_sm90(views[0].device)):
         return None
     if views[0].dtype not in (torch.bfloat16, torch.float16) or any(v.dtype != views[0].dtype for v in views):
         return None
@@ -576,8 +557,7 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
             k_dim: int, n_dim: int, window, block_n: int, act=None, epi: tuple | None = None, **constexprs) -> None:
     """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None;
     ``act``: the activation (an ``Activation`` named in :data:`ACTIVATIONS`) of the up kernel and the fused dh;
-    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own
-    (the up kernel's UP_NEXT)."""
+    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own."""
     block = [BLOCK_M, block_n]
     c0_desc = GluonDescriptor.from_tensor(c0, block, down_sm90._layout(block, c0.dtype))
     c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
@@ -612,22 +592,12 @@ def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, win
     """The forward up projection of one window through this kernel (:func:`up_usable` true): H into ``hid``
     ``[slot1 - slot0, h]``, A|B into ``pre`` ``[slot1 - slot0, 2h]`` when not None."""
     _launch(_up_sm90_kernel, x, w, hid, pre[:, :2 * h] if pre is not None else None, plan, K, d, h, window,
-            UP_BLOCK_N, act, UP_NEXT=up_next_enabled())
+            UP_BLOCK_N, act)
 
 
 def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, out: torch.Tensor) -> None:
     """dh's GEMM of one window through this kernel (:func:`dh_usable` true): dH' into ``out`` ``[.., h]``."""
     _launch(_dh_sm90_kernel, dy, w, out, None, plan, K, d, h, window, DH_BLOCK_N)
-
-
-def up_next_enabled() -> bool:
-    """``MOEBLAZE_GLUON_UP_NEXT`` is not "0" (read at every call)."""
-    return os.environ.get(UP_ENV_VAR, "1") != "0"
-
-
-def act_enabled() -> bool:
-    """``MOEBLAZE_GLUON_DH_ACT`` is not "0" (read at every call)."""
-    return os.environ.get(ACT_ENV_VAR, "1") != "0"
 
 
 def act_launches() -> int:
@@ -641,7 +611,7 @@ def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: t
     in chunks of 64 columns, h % 16 == 0 (B's half of the saved A|B then starts 16-byte aligned, which its 16-byte
     cp.async copies need the compiler to know), and the saved A|B and dA|dB of dy's dtype with unit column strides and
     16-byte aligned rows."""
-    return (act_enabled() and act_name in ACTIVATIONS and chunk == 64 and weights.is_floating_point()
+    return (act_name in ACTIVATIONS and chunk == 64 and weights.is_floating_point()
             and hw.shape[1] % 16 == 0 and _gather_ok(dy, [hw, pre, dpre], block_m))
 
 

@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args, **kwargs)`` spends 30-100 us of host time a launch in Triton 3.6 before the driver call: the
 binder specializes every argument, the cache key is built, the kernel's globals are checked, the launch metadata
-is made (H100, ``benchmarks/launch_profile.py``: 0.7 of the 1.3 ms that 14 launches take a layer step at
+is made (H100, docs/host.md: 0.7 of the 1.3 ms that 14 launches take a layer step at
 config C). A step of a few milliseconds is then bound by its host.
 
 :func:`launch` does the first launch of a specialization through ``kernel[grid]`` and keeps the compiled kernel
@@ -16,22 +16,17 @@ that the globals a kernel read when compiled are unchanged (the kernels here rea
 with a pre-run hook, and a runtime argument passed by keyword, take Triton's path.
 
 It is used where Triton 3.6 is installed, for launches with a tuple grid and no launch hook added to Triton's
-(empty) hook chains (a profiler's hook sees every launch through Triton's own path); anywhere else, and with
-``MOEBLAZE_FAST_LAUNCH=0``, it is ``kernel[grid](*args, **kwargs)``.
+(empty) hook chains (a profiler's hook sees every launch through Triton's own path); anywhere else it is
+``kernel[grid](*args, **kwargs)``.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 
-from .autotune import interpreting
+from ..config import interpreting
 
-__all__ = ["ENV_VAR", "enabled", "launch", "stats"]
-
-ENV_VAR = "MOEBLAZE_FAST_LAUNCH"
-
+__all__ = ["enabled", "launch", "stats"]
 
 # the launcher's calling convention and the compiled kernel's attributes relied on here are Triton 3.6's
 _SUPPORTED = triton.__version__.startswith("3.6.") and not interpreting()
@@ -54,7 +49,8 @@ class _Unkeyed(Exception):
 
 
 def enabled() -> bool:
-    return _SUPPORTED and os.environ.get(ENV_VAR, "1") != "0"
+    """Whether launches may skip Triton's binding (Triton 3.6, not interpreted)."""
+    return _SUPPORTED
 
 
 def stats() -> dict:

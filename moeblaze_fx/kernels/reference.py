@@ -325,7 +325,8 @@ def moe_ffn_reference(x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertPa
 # The operator's plain-PyTorch implementation (CPU path), following the memory policy.
 # ---------------------------------------------------------------------------------------------
 def _expert_ranges(plan: DispatchPlan) -> list[tuple[int, int, int]]:
-    # Host-side walk of the offsets: fine on the CPU path, which has nothing to synchronise with.
+    # Host-side walk of the offsets: fine on the CPU, which has nothing to synchronise with. On CUDA the operator takes
+    # this path only for float64 or where Triton is missing (the kernels take 16-bit and float32 operands).
     off = plan.offsets.tolist()
     return [(e, off[e], off[e + 1]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
 

@@ -11,7 +11,7 @@ Tables of one ``[E, r, c]`` tensor are built on the device (one ``arange``; no h
 CUDA-graph capture works) and cached by (first address, E, expert stride, device, stream): the
 table's content is a function of the key, so a hit is always right, and a step reuses the last
 step's tables instead of launching kernels for them (three launches per table before: 27 of a layer
-step's 78; H100, benchmarks/RESULTS.md, sixteenth session).
+step's 78; H100; docs/host.md).
 Tables of separate tensors are a host-to-device copy of E addresses, cached by those addresses.
 No table is cached while this thread allocates from a CUDA graph's private memory pool (a capture, or the
 warm-up run of torch.compile's CUDA-graph trees under ``mode="reduce-overhead"``): the graph reuses that

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from ..config import MoEBlazeConfig
+from ..config import MoEBlazeConfig, encode_kernels
 from ..kernels.reference import plan_sizes
 from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
@@ -258,14 +258,14 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         with_grad = traced_with_gradients(cand)
         policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if with_grad else "recompute"
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
-        rewrite(work, cand, ext, layout, act.spec, policy, chunk, routing)
+        rewrite(work, cand, ext, layout, act.spec, policy, chunk, routing, encode_kernels(cfg.kernels))
         record.status, record.policy = "rewritten", policy
         x_val = example_value(ext.x)
         if with_grad:
             record.saved_bytes_after = saved_bytes_after(
                 t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
                 example_value(ext.weights).element_size(), policy, act.gated, ext.E,
-                plan_block_m(x_val.device) if use_triton(x_val) else None,
+                plan_block_m(x_val.device, cfg.kernels, x_val.dtype) if use_triton(x_val) else None,
             ) + (t_hint * ext.d * itemsize if routing.on_input else 0)  # the weighted tokens the operator keeps
         else:  # neither graph saves anything (the proof's meter ran with gradients on)
             record.saved_bytes_before = record.saved_bytes_after = 0

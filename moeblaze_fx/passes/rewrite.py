@@ -28,7 +28,8 @@ def _as_2d(node: fx.Node, cols: int, call) -> fx.Node:
 
 
 def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout, activation: str,
-            checkpoint: str, chunk_tokens: int, routing: Routing = OUTPUT_WEIGHTED) -> fx.Node:
+            checkpoint: str, chunk_tokens: int, routing: Routing = OUTPUT_WEIGHTED,
+            kernel_options: str = "") -> fx.Node:
     graph = gm.graph
     y = cand.output
     y_val = example_value(y)
@@ -59,8 +60,9 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         if routing.on_input:
             x2d, w2d = call(operator.mul, x2d, w2d), call(torch.ones_like, w2d)
         params, layout_ints = layout.operator_args(ext.roles)
+        # kernel_options (config.encode_kernels): given where not the defaults ("")
         op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, params, layout_ints, activation, checkpoint,
-                  chunk_tokens)
+                  chunk_tokens, *((kernel_options,) if kernel_options else ()))
         out = call(operator.getitem, op, 0)
         if tuple(y_val.shape) != tuple(example_value(out).shape):
             out = call("view_as", out, ext.x) if tuple(y_val.shape) == tuple(x_val.shape) else \

@@ -8,7 +8,8 @@ from test_loop import ModuleListMoE, TopKPooling
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
-from moeblaze_fx import backend, moe_ffn, ops
+import moeblaze_fx
+from moeblaze_fx import backend, config, moe_ffn, ops
 
 
 class DirectMoE(torch.nn.Module):
@@ -46,8 +47,9 @@ def test_cache_entries_follow_the_package(monkeypatch):
         monkeypatch.setattr(backend, "source_fingerprint", lambda: "another version")
         assert _compile_step(model, x) == ({"autograd_cache_miss": 1, "autograd_cache_saved": 1},
                                            {"fxgraph_cache_miss": 2})
-        monkeypatch.setenv("MOEBLAZE_KERNEL_CONFIG", "block_m=32")  # what the fakes read when tracing
-        assert _compile_step(model, x)[0] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+        # other kernel options (what the fakes read when tracing): an argument of the operator, so other graph code
+        with moeblaze_fx.patch(kernels={"kernel_config": "block_m=32"}):
+            assert _compile_step(model, x)[0] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
 
 
 def test_a_rewrite_with_casts_is_cached():
@@ -91,11 +93,10 @@ def test_tag_names_what_the_fakes_see(monkeypatch):
     outer.add_module("body", inner)
     assert backend.cache_key_tag(outer) == tag
     assert backend.cache_key_tag(_graph(torch.ops.aten.relu.default)) is None  # no operator of ours: torch's tag
+    with moeblaze_fx.patch(kernels={"kernel_config": "block_m=32"}):  # the options are in the graph's code instead
+        assert backend.cache_key_tag(gm) == tag
     with monkeypatch.context() as m:
-        m.setenv("MOEBLAZE_KERNEL_CONFIG", "block_m=32")
-        assert backend.cache_key_tag(gm) not in (tag, None)
-    with monkeypatch.context() as m:
-        m.setenv("TRITON_INTERPRET", "0" if backend.os.environ.get("TRITON_INTERPRET") == "1" else "1")
+        m.setenv("TRITON_INTERPRET", "0" if config.interpreting() else "1")
         assert backend.cache_key_tag(gm) not in (tag, None)
     with monkeypatch.context() as m:
         m.setattr(backend, "source_fingerprint", lambda: "another version")

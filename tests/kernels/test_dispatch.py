@@ -7,7 +7,10 @@ capture, no host synchronisation, 1M tokens in O(T*K) memory).
 import pytest
 import torch
 
+import moeblaze_fx
+from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels import dispatch as dispatch_module
+from moeblaze_fx.kernels.autotune import using
 from moeblaze_fx.kernels.dispatch import MAX_EXPERTS, DispatchConfig, dispatch, dispatch_forward
 from moeblaze_fx.kernels.reference import DispatchPlan, dispatch_reference, max_tiles
 
@@ -117,13 +120,15 @@ def test_strided_ids(layout):
     _check(ids, 64)
 
 
-def test_env_pins_config(monkeypatch):
-    monkeypatch.setenv("MOEBLAZE_DISPATCH_CONFIG", "sort,64,32,4")
-    assert dispatch_module.default_config(10_000, 8) == DispatchConfig("sort", 64, 32, 4)
-    _check(_make_ids(500, 2, 8, torch.int32, seed=6), 8)
-    monkeypatch.setenv("MOEBLAZE_DISPATCH_CONFIG", "fast")
+def test_option_pins_config():
+    with moeblaze_fx.patch(kernels={"dispatch_config": "sort,64,32,4"}):  # config.current()'s, outside using()
+        assert dispatch_module.default_config(10_000, 8) == DispatchConfig("sort", 64, 32, 4)
+    with using(KernelOptions(dispatch_config="sort,64,32,4")):  # the operators' way
+        assert dispatch_module.default_config(10_000, 8) == DispatchConfig("sort", 64, 32, 4)
+        _check(_make_ids(500, 2, 8, torch.int32, seed=6), 8)
+    assert dispatch_module.default_config(10_000, 8) != DispatchConfig("sort", 64, 32, 4)
     with pytest.raises(ValueError, match="path,chunk,block,num_warps"):
-        dispatch(_make_ids(5, 2, 8, torch.int32), 8)
+        KernelOptions(dispatch_config="fast")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the fallback is for CPU tensors")

@@ -15,6 +15,8 @@ import collections
 import pytest
 import torch
 
+import moeblaze_fx
+from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd, reference
 from moeblaze_fx.kernels.expert_bwd import expert_backward
 from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m, table_align
@@ -277,8 +279,7 @@ def test_dh_launches_by_policy(monkeypatch, window_slots):
 
 def test_single_candidate_kinds_never_go_through_the_tuner(monkeypatch):
     # dh_act overwrites its input (dH' becomes w*H): a tuner that ran it several times would read its own output.
-    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
-    monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # (and no pinned configuration: the default options)
     assert len(autotune.kernel_configs("dh_act")) == 1
     calls = []
 
@@ -489,15 +490,11 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(monkeypa
         kernels.clear()
         combine(y_slots[window[0]:window[1]], weights, plan, T, K, torch.zeros(T, d), window, accumulate=False)
         assert kernels == [expert_fwd._expert_combine_kernel]
-    monkeypatch.setenv("MOEBLAZE_WINDOW_COMBINE", "0")
-    kernels.clear()
-    combine(y_slots[:5], weights, plan, T, K, torch.zeros(T, d), (0, 5), accumulate=False)
-    assert kernels == [expert_fwd._expert_combine_kernel]
 
 
-def test_descriptor_eligibility(monkeypatch):
-    # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base;
-    # MOEBLAZE_TMA=0 turns them off.
+def test_descriptor_eligibility():
+    # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base; elsewhere the
+    # kernels load through pointers (the layout tests' odd widths, h = 6 below, run that path).
     t = torch.zeros(8, 24)
     assert expert_bwd._dw_tma(t) and expert_bwd._dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
     assert not expert_bwd._dw_tma(torch.zeros(8, 6))  # 24-byte rows
@@ -509,13 +506,11 @@ def test_descriptor_eligibility(monkeypatch):
     assert expert_fwd.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
     assert expert_fwd.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
     assert expert_fwd.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
-    monkeypatch.setenv("MOEBLAZE_TMA", "0")
-    assert expert_fwd.weight_tma_mode([(24, 1)], 16, 4, cpu) == 0 and not expert_bwd._dw_tma(t)
 
 
 def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
     # Every launch asks whether the device has TMA; the capability is read once per device (a windowed
-    # step's launches are bound by the host), while MOEBLAZE_TMA=0 still takes effect at once.
+    # step's launches are bound by the host).
     asked = []
     monkeypatch.setattr(autotune, "interpreting", lambda: False)
     monkeypatch.setattr(expert_fwd, "ensure_tma_allocator", lambda: None)
@@ -528,8 +523,6 @@ def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
         assert [expert_fwd.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
                                                                                             True]
         assert asked == [0, 1]
-        monkeypatch.setenv("MOEBLAZE_TMA", "0")
-        assert not expert_fwd.tma_available(dev0)
     finally:
         expert_fwd._has_tma.cache_clear()
 
@@ -663,15 +656,38 @@ def test_deterministic_under_interpreter():
     assert all(torch.equal(a, b) for a, b in zip(o1["storage"] + o1["biases"], o2["storage"] + o2["biases"]))
 
 
-def test_pinned_config(monkeypatch):
-    # MOEBLAZE_KERNEL_CONFIG pins one configuration: plan_block_m follows it, and results still match.
+def test_pinned_config():
+    # The kernel option kernel_config pins one configuration: plan_block_m follows it, and results still match.
     # split_n=2: the dh kernel's two side-by-side tiles (the interpreter default runs split_n=1).
-    monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,split_n=2")
-    assert plan_block_m() == 32
-    case = make_case(45, 40, 36, 3, 2, ids_mode="empty_expert", seed=13)  # h=36: a half-empty second tile
-    check_against_reference(case, "activations", tol=1e-5)
-    case = make_case(40, 32, 64, 3, 2, act="relu", bias=True, ids_mode="sentinel", seed=17)  # h = 2 x 2 x block_n
-    check_against_reference(case, "activations", tol=1e-5)
+    pinned = KernelOptions(kernel_config="block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1,group_m=1,"
+                                         "split_n=2")
+    with autotune.using(pinned):
+        assert plan_block_m() == 32 and autotune.pinned_config().split_n == 2
+        case = make_case(45, 40, 36, 3, 2, ids_mode="empty_expert", seed=13)  # h=36: a half-empty second tile
+        check_against_reference(case, "activations", tol=1e-5)
+        case = make_case(40, 32, 64, 3, 2, act="relu", bias=True, ids_mode="sentinel", seed=17)  # h = 2 x 2 x block_n
+        check_against_reference(case, "activations", tol=1e-5)
+        with autotune.using(KernelOptions()):  # the innermost block's options
+            assert plan_block_m() == autotune.INTERPRETER_CONFIG.block_m
+    assert plan_block_m() == autotune.INTERPRETER_CONFIG.block_m
+    with moeblaze_fx.patch(kernels={"kernel_config": "block_m=64"}):  # outside any block: config.current()'s
+        assert plan_block_m() == 64
+
+
+def test_float32_on_the_gpu_takes_one_fixed_config(monkeypatch):
+    # float32 operands (exact IEEE products on the CUDA cores) launch FLOAT32_CONFIG, never the tuner's 16-bit
+    # candidates; a pinned configuration still wins, and the interpreter keeps its own.
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # as on a GPU machine
+    with autotune.using(KernelOptions(), torch.float32):
+        assert not autotune.autotuning() and plan_block_m() == autotune.FLOAT32_CONFIG.block_m
+        assert autotune.dweights_chunk() == autotune.FLOAT32_CONFIG.block_n // 2
+    with autotune.using(KernelOptions(), torch.bfloat16):
+        assert autotune.autotuning() and plan_block_m() == autotune.DEFAULT_BLOCK_M
+    with autotune.using(KernelOptions(kernel_config="block_m=32"), torch.float32):
+        assert plan_block_m() == 32
+    monkeypatch.setattr(autotune, "interpreting", lambda: True)
+    with autotune.using(KernelOptions(), torch.float32):
+        assert autotune._fixed_config() == autotune.INTERPRETER_CONFIG
 
 
 def test_launch_takes_the_tuned_choice_directly_after_the_first_launch_of_a_key(monkeypatch):
@@ -708,8 +724,6 @@ def test_launch_takes_the_tuned_choice_directly_after_the_first_launch_of_a_key(
     assert go(x32, 8, 1, True) == "tuner"  # a tensor's dtype
     assert go(x16, 8, 1, False) == "tuner"  # a constexpr
     assert [go(x16, 9, 1, True), go(x32, 8, 1, True), go(x16, 8, 1, False)] == ["kernel"] * 3
-    monkeypatch.setenv("MOEBLAZE_LEAN_LAUNCH", "0")
-    assert go(x16, 8, 1, True) == "tuner"
 
 
 def test_table_of_addresses():
@@ -780,10 +794,9 @@ def test_table_align_is_the_largest_proven_power_of_two():
 
 
 @pytest.mark.parametrize("spec", ["block_m=12", "block_m", "blockm=16", "block_n=x", "split_n=3", "tok_ahead=1"])
-def test_pinned_config_rejects_bad_specs(monkeypatch, spec):
-    monkeypatch.setenv(autotune.ENV_VAR, spec)
-    with pytest.raises(ValueError, match=autotune.ENV_VAR):
-        plan_block_m()
+def test_pinned_config_rejects_bad_specs(spec):
+    with pytest.raises(ValueError, match="kernels.kernel_config"):
+        KernelOptions(kernel_config=spec)
 
 
 def test_plan_with_wrong_block_m_is_rejected():
@@ -984,7 +997,7 @@ def test_slot_windows_bound_the_backward_transients_cuda(policy):
     del out
 
 
-def test_host_descriptors_take_the_launch_block(monkeypatch):
+def test_host_descriptors_take_the_launch_block():
     # Host-built descriptors (the dW slot operand, the down kernel's weights) are made before the tuner picks a
     # configuration: every launch path gives them the block of the configuration it runs, the tuner's
     # candidates included (their pre_hook).
@@ -995,8 +1008,8 @@ def test_host_descriptors_take_the_launch_block(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((list(args[0].block_shape), kwargs))
 
-    monkeypatch.setenv(autotune.ENV_VAR, "block_m=32,block_n=64,block_k=16")
-    autotune.launch(Kernel(), None, "dw", lambda meta: (1,), desc, 3)
+    with autotune.using(KernelOptions(kernel_config="block_m=32,block_n=64,block_k=16")):
+        autotune.launch(Kernel(), None, "dw", lambda meta: (1,), desc, 3)
     assert seen[-1][0] == [16, 64]
     for cfg in autotune.kernel_configs("down"):
         tc = cfg.to_triton("down")

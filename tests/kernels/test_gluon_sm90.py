@@ -3,15 +3,20 @@ up and dh's (gather_sm90.py).
 
 CPU: when they may take a launch (``weights``, ``usable``) and the row-block view of a table's storage the kernels
 read weights through. GPU (``cuda`` marker; an sm_90 device, else skipped with the reason): the whole forward and
-backward with the kernels on and off (``MOEBLAZE_GLUON_DOWN``, ``MOEBLAZE_GLUON_DW``, ``MOEBLAZE_GLUON_GATHER``) are
-bitwise equal, against the float32 reference within 1e-2, and each kernel is launched exactly as often as expected.
+backward with the kernels on and off (the kernel option ``gluon``) are bitwise equal, against the float32 reference
+within 1e-2, and each kernel is launched exactly as often as expected.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from moeblaze_fx.kernels import down_sm90, dw_sm90, expert_bwd, expert_fwd, gather_sm90
+import moeblaze_fx
+from moeblaze_fx import config
+from moeblaze_fx.config import KernelOptions
+from moeblaze_fx.kernels import autotune, down_sm90, dw_sm90, expert_bwd, expert_fwd, gather_sm90
 from moeblaze_fx.kernels.tables import WeightTable, table_of, table_of_list
 
 from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
@@ -56,23 +61,16 @@ def test_usable_needs_plan_tiles_and_aligned_rows():
     assert not down_sm90.usable(a, torch.empty(512, 300, dtype=torch.bfloat16).t(), 128)  # column stride 300
 
 
-@pytest.mark.parametrize("mod", [down_sm90, dw_sm90, gather_sm90], ids=["down", "dw", "gather"])
-def test_switch_is_read_at_every_call(monkeypatch, mod):
-    monkeypatch.setenv(mod.ENV_VAR, "0")
-    assert not mod.enabled()
-    monkeypatch.setenv(mod.ENV_VAR, "1")
-    assert mod.enabled()
-    monkeypatch.delenv(mod.ENV_VAR)
-    assert mod.enabled()
-
-
-def test_up_next_switch_is_read_at_every_call(monkeypatch):
-    monkeypatch.setenv(gather_sm90.UP_ENV_VAR, "0")
-    assert not gather_sm90.up_next_enabled()
-    monkeypatch.setenv(gather_sm90.UP_ENV_VAR, "1")
-    assert gather_sm90.up_next_enabled()
-    monkeypatch.delenv(gather_sm90.UP_ENV_VAR)
-    assert gather_sm90.up_next_enabled()
+def test_gluon_option_is_read_at_every_call():
+    # the kernel option in force: the innermost autotune.using block's (the operators'), else config.current()'s
+    assert down_sm90.enabled()
+    with moeblaze_fx.patch(kernels={"gluon": False}):
+        assert not down_sm90.enabled()
+        with autotune.using(KernelOptions(gluon=True)):
+            assert down_sm90.enabled()
+    with autotune.using(KernelOptions(gluon=False)):
+        assert not down_sm90.enabled()
+    assert down_sm90.enabled()
 
 
 def test_dw_never_taken_on_the_cpu():
@@ -98,10 +96,10 @@ def test_dw_leaves_tables_past_32_bit_offsets_to_triton():
     assert not dw_sm90.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # a row stride that is not a multiple of 16 bytes
 
 
-def test_dw_store_descriptor_covers_each_experts_matrix(monkeypatch):
+def test_dw_store_descriptor_covers_each_experts_matrix():
     # The descriptor dW's tiles are stored through: expert e's output at rows e * e_rows of a 2-D view, rows along m
     # where n is contiguous (dW_down), along n where m is (dW_gate, dW_up read transposed from Hugging Face's
-    # [E, 2h, d]); none for a table of separate tensors (ModuleList experts) or with MOEBLAZE_DW_STORE_TMA=0.
+    # [E, 2h, d]); none for a table of separate tensors (ModuleList experts).
     E, h, d = 3, 256, 128
     gate_up = torch.randn(E, 2 * h, d, dtype=torch.bfloat16)
     down = torch.randn(E, d, h, dtype=torch.bfloat16)
@@ -118,8 +116,6 @@ def test_dw_store_descriptor_covers_each_experts_matrix(monkeypatch):
         for e in range(E):
             assert torch.equal(flat[e * e_rows: e * e_rows + matrix(e).shape[0]], matrix(e))
     assert dw_sm90._store_desc(table_of_list(list(down))) is None
-    monkeypatch.setenv(dw_sm90.STORE_TMA_ENV_VAR, "0")
-    assert dw_sm90._store_desc(table_of(down)) is None
 
 
 def test_gather_never_taken_on_the_cpu():
@@ -151,7 +147,7 @@ def test_gather_usable_needs_a_swiglu_unbiased_and_aligned_rows():
     assert not gather_sm90.dh_usable(x, hid.t(), 128)  # no unit column stride
 
 
-def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows(monkeypatch):
+def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows():
     dy = torch.empty(300, 256, dtype=torch.bfloat16)
     hw = torch.empty(400, 192, dtype=torch.bfloat16)
     pre = torch.empty(400, 384, dtype=torch.bfloat16)
@@ -174,8 +170,6 @@ def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows(monkeypatc
     h200 = torch.empty(400, 200, dtype=torch.bfloat16)
     pre200 = torch.empty(400, 400, dtype=torch.bfloat16)
     assert not usable(dy, h200, pre200, pre200.clone(), wts, "swiglu", 64, 128)  # h % 16 != 0: two launches
-    monkeypatch.setenv(gather_sm90.ACT_ENV_VAR, "0")
-    assert not usable(dy, hw, pre, dpre, wts, "swiglu", 64, 128)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,20 +207,18 @@ GPU_CASES = [
 
 
 def _switch(monkeypatch, on: bool) -> None:
-    for mod in (down_sm90, dw_sm90, gather_sm90):
-        monkeypatch.setenv(mod.ENV_VAR, "1" if on else "0")
-    monkeypatch.delenv(dw_sm90.STORE_TMA_ENV_VAR, raising=False)
-    monkeypatch.delenv(gather_sm90.ACT_ENV_VAR, raising=False)
-    monkeypatch.delenv(gather_sm90.UP_ENV_VAR, raising=False)
+    """The Gluon kernels on or off (the kernel option ``gluon`` of config.current(), which the kernels called
+    directly read) until the test ends."""
+    monkeypatch.setattr(config, "_current", dataclasses.replace(config.current(), kernels=KernelOptions(gluon=on)))
 
 
-def _run_with(monkeypatch, var: str, value: str, case, window_slots: int, policy: str = "activations"):
-    """Forward and backward with every Gluon kernel on and ``var`` set to ``value``, the allocator's free memory
-    poisoned first: (y, grads) as :func:`run_kernels`."""
-    _switch(monkeypatch, True)
-    monkeypatch.setenv(var, value)
+def _run_with(monkeypatch, on: bool, case, window_slots: int, policy: str = "activations"):
+    """Forward and backward with the Gluon kernels on or off, the allocator's free memory poisoned first: (y, grads)
+    as :func:`run_kernels`. Off, "recompute" runs as "activations": recomputed on the Gluon kernels, A|B are the
+    forward's, which the Triton dh kernel that recomputes them in its own pass rounds otherwise."""
+    _switch(monkeypatch, on)
     _poison()
-    return run_kernels(case, policy, window_slots=window_slots)
+    return run_kernels(case, policy if on else "activations", window_slots=window_slots)
 
 
 def _poison() -> None:
@@ -392,22 +384,22 @@ def test_gluon_dw_accumulates_like_triton_cuda(monkeypatch, window_slots):
 def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_slots):
     # dW's tiles leave through TMA stores where the output is one [E, r, c] tensor (rows along m, or along n for
     # the transposed dW_gate / dW_up of hf_fused), through pointer stores for ModuleList experts (a table of
-    # addresses) or with MOEBLAZE_DW_STORE_TMA=0. Windows: later windows add onto experts started earlier.
+    # addresses); either gives the Triton kernel's results bitwise. Windows: later windows add onto experts started
+    # earlier.
     _need_sm90()
     case = make_case(900, 256, 256, 8, 2, act="swiglu", layout=layout, device="cuda", dtype=torch.bfloat16,
                      ids_mode="empty_expert", seed=17)
     windows = expert_fwd.num_slot_windows(1800, window_slots)
     out = []
-    for store_tma in ("1", "0"):
+    for on in (True, False):
         launches, stores = dw_sm90.launches(), dw_sm90.store_launches()
-        y, o = _run_with(monkeypatch, dw_sm90.STORE_TMA_ENV_VAR, store_tma, case, window_slots)
-        per_window = 2 if layout == "hf_fused" else 3  # dW_gate and dW_up as one launch for hf_fused
+        y, o = _run_with(monkeypatch, on, case, window_slots)
+        per_window = (2 if layout == "hf_fused" else 3) if on else 0  # dW_gate and dW_up as one launch for hf_fused
         assert dw_sm90.launches() - launches == per_window * windows
-        expected = per_window * windows if store_tma == "1" and layout != "list" else 0
-        assert dw_sm90.store_launches() - stores == expected
+        assert dw_sm90.store_launches() - stores == (per_window * windows if layout != "list" else 0)
         assert all(torch.isfinite(g).all() for g in o["storage"]), "an unwritten weight gradient element"
         out.append(o["storage"])
-    assert all(torch.equal(a, b) for a, b in zip(*out)), "TMA and pointer stores differ"
+    assert all(torch.equal(a, b) for a, b in zip(*out)), "the Gluon dW's stores differ from the Triton kernel's"
 
 
 @pytest.mark.cuda
@@ -418,20 +410,20 @@ def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_
     (8000, 256, 320, 6, 3, "sentinel", "transposed", torch.bfloat16, 0),  # K = 3, unrouted pairs, W_down k-major
 ], ids=["h208", "windows", "fp16", "K3-sentinel"])
 def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype, window_slots):
-    # MOEBLAZE_GLUON_DH_ACT=0 keeps dh as two launches (the Gluon GEMM, then the Triton epilogue); the fused kernel
-    # gives the same dA|dB and w*H bit for bit, so the same dx and weight gradients. The routing-weight gradient
-    # sums the same 64-column partials, each in an order that may differ where h % 64 != 0. Tiles cut by windows,
-    # several tiles a program (each tile's epilogue runs in the next one's K loop) and the last tile's (after the
-    # loop) are all here.
+    # The fused dh gives the dA|dB and w*H of the Triton kernels' two launches (the GEMM, then the epilogue) bit for
+    # bit, so the same dx and weight gradients. The routing-weight gradient sums the same 64-column partials, each
+    # in an order that may differ where h % 64 != 0. Tiles cut by windows, several tiles a program (each tile's
+    # epilogue runs in the next one's K loop) and the last tile's (after the loop) are all here. (dh as the Gluon
+    # GEMM then the Triton epilogue, where the fused kernel does not apply: GPU_CASES' h = 200.)
     case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, gather_sm90.DH_BLOCK_N, T + 11)
     out = []
-    for fused in ("1", "0"):
+    for on in (True, False):
         launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
-        y, o = _run_with(monkeypatch, gather_sm90.ACT_ENV_VAR, fused, case, window_slots)
-        assert gather_sm90.launches() - launches == 2 * windows  # up and dh's GEMM (alone or fused) per window
-        assert gather_sm90.act_launches() - acts == (windows if fused == "1" else 0)
+        y, o = _run_with(monkeypatch, on, case, window_slots)
+        assert gather_sm90.launches() - launches == (2 * windows if on else 0)  # up and the fused dh per window
+        assert gather_sm90.act_launches() - acts == (windows if on else 0)
         out.append((y, o))
-    _assert_same_results(*out, "the split dh's", weights_close=h % 64 != 0)
+    _assert_same_results(*out, "the Triton kernels' split dh", weights_close=h % 64 != 0)
     assert torch.isfinite(out[0][1]["weights"]).all()
 
 
@@ -442,23 +434,24 @@ def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, id
     (9000, 512, 256, 4, 2, "one_expert", "hf_fused", torch.float16, 0, "activations"),
     (8000, 256, 384, 3, 2, "sentinel", "transposed", torch.bfloat16, 0, "recompute"),  # no A|B kept
 ], ids=["h200", "windows", "fp16", "recompute"])
-def test_up_h_in_next_loop_matches_after_loop_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
+def test_up_h_in_next_loop_matches_triton_cuda(monkeypatch, T, d, h, E, K, ids_mode, layout, dtype,
                                                    window_slots, policy):
-    # MOEBLAZE_GLUON_UP_NEXT=0: the up kernel computes a tile's H right after its K loop and stores it through TMA;
-    # by default the next tile's K loop computes it block by block and stores it through pointers (the last tile's
-    # after the loop). H is the same elementwise function of the same rounded A|B: bitwise equal outputs and
-    # gradients. The cases have several tiles a program (each tile's H then runs in the next one's K loop, the last
-    # tile's after the loop) and ragged tiles (experts' last rows, windows, columns past h).
+    # The up kernel computes a tile's H during the next tile's K loop, block by block, and stores it through pointers
+    # (the last tile's after the loop): the Triton up kernel's H bitwise (the same elementwise function of the same
+    # rounded A|B), so equal outputs and gradients. The cases have several tiles a program (each tile's H then runs
+    # in the next one's K loop, the last tile's after the loop) and ragged tiles (experts' last rows, windows,
+    # columns past h).
     case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, gather_sm90.UP_BLOCK_N, T + 13)
     out = []
-    for value in ("1", "0"):
+    for on in (True, False):
         launches = gather_sm90.launches()
-        y, o = _run_with(monkeypatch, gather_sm90.UP_ENV_VAR, value, case, window_slots, policy)
-        per_window = 2 if policy == "activations" else 3  # up and the fused dh, and "recompute"'s up again
-        assert gather_sm90.launches() - launches == per_window * windows
+        y, o = _run_with(monkeypatch, on, case, window_slots, policy)
+        per_window = 2 if policy == "activations" else 3  # up and dh, and "recompute"'s up again
+        assert gather_sm90.launches() - launches == (per_window * windows if on else 0)
         assert torch.isfinite(y).all(), "an unwritten H element"
         out.append((y, o))
-    _assert_same_results(*out, "H after the K loop")
+    # (the fused dh, h % 16 == 0, sums the routing-weight partials in its own order where h % 64 != 0)
+    _assert_same_results(*out, "the Triton up kernel's", weights_close=h % 16 == 0 and h % 64 != 0)
 
 
 @pytest.mark.cuda

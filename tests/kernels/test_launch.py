@@ -71,7 +71,6 @@ def fast(monkeypatch):
         compilation=types.SimpleNamespace(instrumentation_mode="")))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
-    monkeypatch.delenv(L.ENV_VAR, raising=False)
     monkeypatch.setattr(L, "_JITFunction", _Kernel)
     monkeypatch.setattr(L, "_Heuristics", _Heuristics)
     return _Kernel(["x", "n", "flag", "BLOCK", "EXTRA"], {"EXTRA": 5})
@@ -108,7 +107,7 @@ def test_any_change_triton_specializes_on_misses(fast, change):
     assert _kinds(fast) == ["slow", "slow"]
 
 
-def test_unkeyed_arguments_hooks_and_the_switch_take_triton_s_path(fast, monkeypatch):
+def test_unkeyed_arguments_hooks_and_an_unsupported_triton_take_triton_s_path(fast, monkeypatch):
     L.launch(fast, (1,), [1, 2], 17, True, BLOCK=64)  # a list is not keyed
     L.launch(fast, (1,), [1, 2], 17, True, BLOCK=64)
     L.launch(fast, lambda meta: (1,), torch.zeros(4), 17, True, BLOCK=64)  # a callable grid
@@ -119,10 +118,10 @@ def test_unkeyed_arguments_hooks_and_the_switch_take_triton_s_path(fast, monkeyp
         monkeypatch.setattr(L._knobs.runtime, hook, _Chain(lambda metadata: None))
         L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
         monkeypatch.setattr(L._knobs.runtime, hook, _Chain())
-    monkeypatch.setenv(L.ENV_VAR, "0")
+    monkeypatch.setattr(L, "_SUPPORTED", False)  # another Triton than 3.6, or the interpreter
     L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
     assert _kinds(fast) == ["slow"] * 8
-    monkeypatch.delenv(L.ENV_VAR)
+    monkeypatch.setattr(L, "_SUPPORTED", True)
     L.launch(fast, (1,), torch.zeros(4), 17, True, BLOCK=64)
     assert _kinds(fast) == ["slow"] * 8 + ["fast"]
 
@@ -212,10 +211,10 @@ def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     for T in (1001, 1008, 1, 1000):
         case = inputs(T)
-        monkeypatch.setenv(L.ENV_VAR, "1")
+        monkeypatch.setattr(L, "_SUPPORTED", True)
         step(*case)  # compiles what this size needs
         fast = step(*case)
-        monkeypatch.setenv(L.ENV_VAR, "0")
+        monkeypatch.setattr(L, "_SUPPORTED", False)  # Triton's own path
         count = L.stats()["fast"]
         off = step(*case)
         assert L.stats()["fast"] == count

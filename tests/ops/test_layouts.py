@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import moeblaze_fx
 from moeblaze_fx.kernels.reference import ACTIVATIONS, ExpertParams, moe_ffn_reference, parse_activation
 from moeblaze_fx.layout import RoleView, encode_layout
 from moeblaze_fx.ops import moe_ffn
@@ -14,6 +15,15 @@ T, d, h, E, K = 23, 8, 6, 4, 2
 SPECS = {name: name for name in ACTIVATIONS} | {"swiglu_oai": "swiglu_oai(alpha=1.702,limit=0.7)",
                                                 "swiglu_clamp": "swiglu_clamp(limit=0.7)",
                                                 "swiglu_softcap": "swiglu_softcap(gate=0.5,up=0.8)"}
+
+
+def interpreted_block_m(device, options=None, dtype=None):
+    """``ops.plan_block_m`` as on a GPU (the kernels' tile height under the options), for the Triton path driven on
+    CPU tensors through the interpreter."""
+    from moeblaze_fx.kernels import autotune
+
+    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels, dtype):
+        return autotune.plan_block_m()
 
 
 def _rand(*shape, g):
@@ -221,10 +231,9 @@ def test_triton_path_slot_windows_in_the_interpreter(monkeypatch, checkpoint):
     added to in place or in float32) on CPU tensors under TRITON_INTERPRET, float32, against the
     reference; fused and per-expert (ModuleList) parameters with biases."""
     from moeblaze_fx import ops
-    from moeblaze_fx.kernels import expert_fwd
 
     monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-    monkeypatch.setattr(ops, "plan_block_m", lambda device: expert_fwd.plan_block_m())
+    monkeypatch.setattr(ops, "plan_block_m", interpreted_block_m)
     g = torch.Generator().manual_seed(6)
     params, _ = _storage("fused", True, True, g)
     params = {k: v.detach().float().requires_grad_() for k, v in params.items()}

@@ -8,9 +8,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeblaze_fx
+from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels.reference import ExpertParams, moe_ffn_reference, split_gate_up
 from moeblaze_fx.layout import RoleView, encode_layout
 from moeblaze_fx.ops import moe_ffn
+
+
+def interpreted_block_m(device, options=None, dtype=None):
+    """``ops.plan_block_m`` as on a GPU (the kernels' tile height under the options), for the Triton path driven on
+    CPU tensors through the interpreter."""
+    from moeblaze_fx.kernels import autotune
+
+    with autotune.using(options if options is not None else moeblaze_fx.config.current().kernels, dtype):
+        return autotune.plan_block_m()
 
 
 def _ref(x, ids, w, wgu, wd, activation="swiglu"):
@@ -148,10 +158,9 @@ def triton_path(monkeypatch):
         pytest.skip("drives the Triton path on CPU tensors through the interpreter, which is off on a GPU machine "
                     "(the cuda tests run that path for real)")
     from moeblaze_fx import ops
-    from moeblaze_fx.kernels import expert_fwd
 
     monkeypatch.setattr(ops, "_use_triton", lambda x: True)
-    monkeypatch.setattr(ops, "plan_block_m", lambda device: expert_fwd.plan_block_m())
+    monkeypatch.setattr(ops, "plan_block_m", interpreted_block_m)
     plans = []
     make_plan = ops._make_plan
     monkeypatch.setattr(ops, "_make_plan", lambda *a: plans.append(a) or make_plan(*a))
@@ -208,6 +217,86 @@ def test_triton_path_opcheck(triton_path, checkpoint):
     x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default, (x, ids, w, params, layout, "swiglu", checkpoint, 0))
+
+
+def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatch):
+    """The kernel options are an argument of the call: the plan's tile height follows its pinned configuration (the
+    fake's plan shapes too), and the backward runs with the forward's options, whatever is in force when it runs."""
+    from moeblaze_fx.config import encode_kernels
+    from moeblaze_fx.kernels import autotune, expert_bwd
+    from moeblaze_fx.kernels.reference import max_tiles
+
+    seen = []
+    backward = expert_bwd.expert_backward
+    monkeypatch.setattr(expert_bwd, "expert_backward", lambda *a, **k: seen.append(autotune.options()) or
+                        backward(*a, **k))
+    T, d, h, E, K = 40, 16, 24, 4, 2
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    pinned = KernelOptions(kernel_config="block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1")
+    encoded = encode_kernels(pinned)
+    assert encoded == "kernel_config=block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1"
+    y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, encoded)
+    assert triton_path[-1][2] == 32 and plan[3].numel() == max_tiles(T * K, E, 32)
+    g = torch.randn_like(y)
+    with moeblaze_fx.patch(kernels={"kernel_config": "block_m=64"}):  # not what the call carries
+        got = torch.autograd.grad(y, (x, w, wgu, wd), g)
+    assert seen == [pinned] and len(triton_path) == 1
+    want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, w, wgu, wd), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.moeblaze.moe_ffn.default,
+                          (x, ids, w, params, layout, "swiglu", "recompute", 0, encoded))
+    # the direct API: the options of config.current() at the call, the backward's too
+    seen.clear()
+    with moeblaze_fx.patch(kernels={"kernel_config": "block_m=32,block_n=16,block_k=16,num_warps=4,num_stages=1"}):
+        y = moe_ffn(x, ids, w, (wgu, wd))
+    assert triton_path[-1][2] == 32
+    torch.autograd.grad(y, (x, w, wgu, wd), g)
+    assert seen == [pinned]
+
+
+@pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_plan_shapes_on_cuda_follow_the_dtype_and_the_options(monkeypatch, dtype, block_m):
+    """On CUDA (fake tensors: no GPU needed) 16-bit and float32 take the kernels; the fake's plan has the row tiles of
+    the autotuned kernels (128 rows) or of float32's fixed configuration (64), or of a pinned one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moeblaze_fx import ops
+    from moeblaze_fx.kernels import autotune
+    from moeblaze_fx.kernels.reference import max_tiles
+
+    if ops._triton_kernels() is None:
+        pytest.skip("no Triton: CUDA takes the PyTorch path")
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # as on a GPU machine
+    T, d, h, E, K = 100, 16, 8, 4, 2
+    cpu, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(torch.empty(E, 2 * h, d)),
+                                                            torch.empty(E, d, h)))
+    with FakeTensorMode():  # (a fake CUDA tensor cannot be sliced without CUDA: the parameters as layout_of gives them)
+        x, w = torch.empty(T, d, device="cuda", dtype=dtype), torch.empty(T, K, device="cuda", dtype=dtype)
+        ids = torch.empty(T, K, device="cuda", dtype=torch.int64)
+        params = [torch.empty_strided(p.shape, p.stride(), device="cuda", dtype=dtype) for p in cpu]
+        assert ops._use_triton(x)
+        plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[2]
+        assert plan[3].shape == (max_tiles(T * K, E, block_m),)
+        plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0,
+                                          "kernel_config=block_m=32")[2]
+        assert plan[3].shape == (max_tiles(T * K, E, 32),)
+    with autotune.using(KernelOptions(), dtype):
+        assert autotune.autotuning() == (dtype != torch.float32) and autotune.plan_block_m() == block_m
+
+
+def test_kernel_options_argument_is_checked():
+    x, ids, w, wgu, wd = _inputs(10, 8, 6, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    with pytest.raises(ValueError, match="kernel_options: gluon must be 1, 0, true or false, got 'maybe'"):
+        torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "gluon=maybe")
+    with pytest.raises(ValueError, match="names from \\['dispatch_config', 'gluon', 'kernel_config'\\]"):
+        torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "tma=0")
+    # the PyTorch path (CPU) takes the same options: they choose among kernels, never what is computed
+    y0 = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[0]
+    y1 = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "gluon=0")[0]
+    assert torch.equal(y0, y1)
 
 
 def test_backward_refuses_a_policy_that_is_not_one():
@@ -339,6 +428,40 @@ def test_cuda_bfloat16_against_float32_reference(T, d, h, E, K, checkpoint):
         rel = ((a.float() - b).norm() / b.norm()).item()
         assert rel <= 1e-2, f"{name}: relative error {rel:.3g}"
     assert moeblaze_fx.moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint).equal(y)  # deterministic
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
+@pytest.mark.parametrize("T,d,h,E,K,chunk_tokens", [(1000, 256, 256, 8, 2, None), (333, 128, 96, 16, 4, 100)],
+                         ids=["gluon-shapes", "ragged-windows"])
+def test_cuda_float32_runs_the_kernels_without_host_sync(T, d, h, E, K, chunk_tokens, checkpoint):
+    """float32 on CUDA takes the Triton kernels (exact IEEE products, autotune.FLOAT32_CONFIG), never the Gluon
+    kernels (16-bit only, even on shapes they take), with no host synchronisation once compiled; the output and
+    every gradient within 1e-4 (relative) of the float64 reference, as eager float32 would be."""
+    from moeblaze_fx.kernels import down_sm90, dw_sm90, gather_sm90
+
+    x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32, device="cuda", route=_with_sentinels)
+    g = torch.randn(T, d, generator=torch.Generator().manual_seed(3)).cuda()
+
+    def step():
+        y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+        return y, *torch.autograd.grad(y, (x, w, wgu, wd), g)
+
+    gluon = (down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches())
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches()) == gluon
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w, wgu, wd)]
+    ref = _ref(leaves64[0], ids, *leaves64[1:])
+    want = (ref, *torch.autograd.grad(ref, leaves64, g.double()))
+    for name, a, b in zip(("y", "x", "weights", "w_gate_up", "w_down"), got, want):
+        rel = ((a.double() - b).norm() / b.norm()).item()
+        assert rel <= 1e-4, f"{name}: relative error {rel:.3g}"
 
 
 def test_importing_the_package_loads_no_benchmark_code():
