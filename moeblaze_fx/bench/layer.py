@@ -305,22 +305,16 @@ def route(x: Tensor, w_router: Tensor, K: int) -> tuple[Tensor, Tensor]:
     return ids, top_w.to(x.dtype)
 
 
-BUDGET_ENV = "MOEBLAZE_BENCH_TRANSIENT_MIB"  # read at every step: a same-process A/B of the transient budget
-
-
 def _moeblaze_layer(policy: str, budget: int | None = None,
                     activation: str = "swiglu") -> Callable[..., tuple[Tensor, Tensor]]:
-    """The operator under ``policy``; ``budget``: its transient_budget in bytes (None: the default, or
-    ``MOEBLAZE_BENCH_TRANSIENT_MIB`` MiB where that is set); ``activation``: the operator's spec."""
+    """The operator under ``policy``; ``budget``: its transient_budget in bytes (None: the default);
+    ``activation``: the operator's spec."""
     from ..ops import default_chunk_tokens, moe_ffn
 
     def layer(x: Tensor, w_router: Tensor, w_gate_up: Tensor, w_down: Tensor, K: int) -> tuple[Tensor, Tensor]:
         ids, w = route(x, w_router, K)
-        b = budget
-        if b is None and os.environ.get(BUDGET_ENV):
-            b = int(os.environ[BUDGET_ENV]) << 20
-        chunk = None if b is None else default_chunk_tokens(K, x.shape[1], w_down.shape[2], True,
-                                                            x.element_size(), b)
+        chunk = None if budget is None else default_chunk_tokens(K, x.shape[1], w_down.shape[2], True,
+                                                                 x.element_size(), budget)
         return moe_ffn(x, ids, w, (w_gate_up, w_down), activation=activation, checkpoint=policy,
                        chunk_tokens=chunk), ids
 
