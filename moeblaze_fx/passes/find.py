@@ -282,12 +282,18 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             candidates.remove(cand)  # group-limited routing's top-k of groups: it masks what the experts' top-k picks
             continue
         cand.output = out
+        if _collectives(body):  # judged by structure: the proof would run them, on this rank only
+            cand.reason = _collective_reason(_collectives(body))
+            continue
         capacity = _capacity_bound(body)
         if capacity is not None:
             cand.reason = _capacity_reason(*capacity)
             continue
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
         _push_out_weights(body, ids)
+        if _collectives(body):  # pulled in with the support
+            cand.reason = _collective_reason(_collectives(body))
+            continue
         mutation = _update_of_read(body, ids, out, asserts, order)
         if mutation is not None:
             cand.reason = (f"an in-place update ({canonical_name(mutation)}, node {mutation.name}) of a tensor the "
@@ -303,6 +309,23 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         # close the assert set over assert-only chains (sym_size -> ge -> _assert_scalar)
         cand.asserts = sorted(set(cand.asserts) | _reach(cand.asserts, _users, asserts), key=order.__getitem__)
     return candidates
+
+
+def _collectives(body: set[fx.Node]) -> list[fx.Node]:
+    return [n for n in _topological(body) if role(n) == "collective"]
+
+
+EXPERT_PARALLEL = "expert-parallel dispatch inside the region"
+
+
+def _collective_reason(nodes: list[fx.Node]) -> str:
+    """Why a region holding collectives (or ops of unknown side effects) is left alone, and what the user can do."""
+    names = sorted({canonical_name(n) for n in nodes})
+    where = source_of(nodes[0])
+    return (f"{EXPERT_PARALLEL}: it holds {len(nodes)} collective or opaque op(s) ({', '.join(names)}; first at "
+            f"{where}), which are never run at compile time (every rank must run them alike), so the region is left "
+            "alone. The local expert computation between the all-to-alls is not rewritten yet, and nothing in the "
+            "model can change that: the block runs as compiled without the operator")
 
 
 _TRANSFORMERS_FIX = ("for a transformers model whose experts take an implementation (model.set_experts_implementation "

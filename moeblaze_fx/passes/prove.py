@@ -24,6 +24,7 @@ from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
 from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
 from .find import Candidate, example_value, size_hint
+from .normalize import role
 
 __all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients"]
 
@@ -153,6 +154,8 @@ def prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.No
 
 
 def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any]) -> Proof:
+    if any(role(n) == "collective" for n in cand.nodes):  # find leaves these alone; never run one here
+        return Proof(None, reason="the region holds a collective, which is never run at compile time")
     for node in cand.inputs:
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
             return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it")
