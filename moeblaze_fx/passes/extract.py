@@ -166,6 +166,8 @@ class Extraction:
     d: int
     h: int  # -1 until proven when shapes alone leave it open
     E: int
+    # the dtype the experts compute in (``compute_dtype``): the operator's; where the tokens or a weight reach the
+    # experts in another dtype (autocast, casts in forward), the rewrite casts them to it, as the region did
     dtype: torch.dtype
     # how the combine weights are applied: hypotheses for prove, the operator's own first
     routings: list[Routing] = dataclasses.field(default_factory=lambda: [OUTPUT_WEIGHTED])
@@ -463,13 +465,30 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
                 "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
                 f"the experts call: {', '.join(called) or 'no activation function'}")
     x_val = example_value(xs[0])
-    if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
-        return "the expert weights and the tokens have different dtypes"
+    dtype = compute_dtype(cand, x_val.dtype)
+    if dtype not in _COMPUTE_DTYPES:
+        return (f"the experts compute in {dtype}, which the operator does not support ({_COMPUTE_DTYPES}); cast the "
+                "tokens and expert weights to one of those")
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
         activations=activations[True] + activations[False], T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
-        dtype=x_val.dtype, routings=_routings(cand, int(K)),
+        dtype=dtype, routings=_routings(cand, int(K)),
     )
+
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def compute_dtype(cand: Candidate, default: torch.dtype) -> torch.dtype:
+    """The dtype the region's expert products compute in: the narrowest float dtype among their recorded values.
+    Autocast shows there: Dynamo records ``linear``/``bmm``/``matmul`` under an autocast entered outside the compiled
+    function with the autocast dtype (the casts happen at dispatch; the graph holds no autocast node), as it records
+    explicit casts (torchtitan's ``.bfloat16()`` of the tokens and each weight). A library's custom op that autocast
+    does not reach (transformers' ``grouped_mm_fallback``, which casts to the weights' dtype) keeps its own dtype.
+    ``default`` (the tokens' dtype) where no product has a recorded float value."""
+    dtypes = [v.dtype for n in cand.nodes if role(n) in ("grouped_mm", "matmul")
+              and isinstance(v := example_value(n), torch.Tensor) and v.is_floating_point()]
+    return min(dtypes, key=lambda t: torch.finfo(t).bits, default=default)
 
 
 def idiom(cand: Candidate) -> str:

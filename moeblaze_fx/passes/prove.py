@@ -26,7 +26,7 @@ from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
 from .find import Candidate, example_value, size_hint
 from .normalize import role
 
-__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients"]
+__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients", "is_mixed"]
 
 # Relative error ||region - reference|| / ||reference|| accepted per dtype. The reference runs the
 # same dtype with float32 accumulation; a wrong layout or function gives errors near 1. float32 gets 1e-4 where its
@@ -121,6 +121,12 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
     return values
 
 
+def is_mixed(ext: Extraction) -> bool:
+    """Whether the tokens or an expert weight reach the experts in another dtype than the one they compute in."""
+    dtypes = {example_value(ext.x).dtype} | {example_value(p).dtype for role in ext.roles for p in role.params}
+    return dtypes != {ext.dtype}
+
+
 def traced_with_gradients(cand: Candidate) -> bool:
     """Whether the region's output needed a gradient when traced. Dynamo guards a graph on the grad mode and on its
     inputs' requires_grad, so a graph traced without (under torch.no_grad, or with nothing requiring grad) never
@@ -166,7 +172,11 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     region = region_module(gm, cand)
     gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
     values = _inputs(cand, ext, real, gen)
-    tol = tolerance(ext.dtype, example_value(ext.x).device)
+    device = example_value(ext.x).device
+    tol = tolerance(ext.dtype, device)
+    # the tokens or a weight reach the experts in another dtype than the one they compute in (autocast, casts in
+    # forward): the region is judged at its compute dtype's tolerance against a float32 evaluation of the function
+    mixed = is_mixed(ext)
 
     leaves: dict[str, torch.Tensor] = {}
     args = []
@@ -201,6 +211,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     best: Optional[Proof] = None
     with torch.enable_grad():
         stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
+        if mixed:
+            stacked = [v.float() for v in stacked]
         for layout, act, routing in itertools.product(ext.layouts, ext.activations, ext.routings):
             if act.gated != (layout.up is not None):
                 continue
@@ -208,8 +220,10 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
 
             def reference(x):
                 """The operator's function of the tokens, under this hypothesis (called within this iteration)."""
-                xr, wr = routing.apply(x, w2d)
-                return moe_ffn_reference(xr, ids2d, wr, experts, act)
+                xr, wr = routing.apply(x.float() if mixed else x, w2d)
+                # the region runs under the autocast it was traced in (as it will run); the reference never does
+                with torch.autocast(device.type, enabled=False):
+                    return moe_ffn_reference(xr, ids2d, wr, experts, act)
 
             y_ref = reference(x2d)
             if not bool(y_ref.detach().abs().amax() > 0):
@@ -234,14 +248,16 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
                 return Proof(layout, act, None, err, {}, saved_before, forward_only=True, routing=routing)
             names = list(leaves)
             g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
-            try:
-                grads_region = torch.autograd.grad(
-                    y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
-                    retain_graph=True, allow_unused=True,
-                )
+            try:  # a backward runs outside the forward's autocast (as loss.backward() after the autocast block)
+                with torch.autocast(device.type, enabled=False):
+                    grads_region = torch.autograd.grad(
+                        y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
+                        retain_graph=True, allow_unused=True,
+                    )
             except RuntimeError as exc:
                 return Proof(None, reason=f"the region's output is not differentiable: {exc}", forward_error=err)
-            grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
+            with torch.autocast(device.type, enabled=False):
+                grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
             errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
             bad = {n: e for n, e in errors.items() if e > 2 * tol}
             if bad:
