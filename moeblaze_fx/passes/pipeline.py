@@ -163,6 +163,28 @@ def _subgraph_calls(work: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
     return [c for c in calls if uses[c[1]] == 1]
 
 
+def _local_parameters(graph: fx.Graph, params: set[fx.Node], real: dict[fx.Node, Any],
+                      name_of: dict[fx.Node, str]) -> None:
+    """A DTensor parameter unwrapped in forward (``w.to_local()``, torchtitan's experts under TP/EP), or a flat
+    ``[E*h, d]`` parameter viewed per expert, is an expert parameter in that form: the region reads the local tensor, the operator is given it, and its gradient
+    reaches the DTensor through ``to_local``'s backward. (The DTensor itself cannot be run by the proof: its storage
+    is not a plain tensor's.)"""
+    for node in graph.nodes:
+        if not (node.op == "call_method" and node.args and node.args[0] in params):
+            continue
+        param = node.args[0]
+        # a flat [E*h, d] weight viewed per expert ([E, h, d]) is that expert weight too
+        per_expert = node.target in ("view", "reshape", "unflatten") and example_value(param).dim() == 2 and \
+            isinstance(example_value(node), torch.Tensor) and example_value(node).dim() == 3 and \
+            not node.kwargs and not any(isinstance(a, fx.Node) for a in node.args[1:])
+        if node.target == "to_local" or per_expert:
+            params.add(node)
+            name_of[node] = name_of[param]
+            if param in real:
+                real[node] = real[param].to_local() if node.target == "to_local" else \
+                    getattr(real[param], str(node.target))(*node.args[1:])
+
+
 def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig, where: str,
              names: Optional[dict[fx.Node, str]] = None) -> tuple[list[RegionRecord], bool]:
     """Rewrite ``work`` (a copy: changed in place) and the bodies of its subgraph calls (copies put in its
@@ -185,6 +207,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
                 params.add(node)
                 real[node] = value
                 name_of[node] = str(node.target)
+    _local_parameters(work.graph, params, real, name_of)
 
     order = {n: i for i, n in enumerate(work.graph.nodes)}
     keyed: list[tuple[int, RegionRecord]] = []
