@@ -86,7 +86,7 @@ ASSERT_NAMES = frozenset(
 # of any namespace not below that writes an argument or returns nothing (DeepEP-style dispatch/combine libraries,
 # NVSHMEM wrappers) is treated the same: its side effects are unknown.
 _COLLECTIVE_NAMESPACES = ("c10d", "symm_mem", "nvshmem")  # substrings: _c10d_functional, _c10d_functional_autograd
-_PURE_NAMESPACES = frozenset({"aten", "prims", "moeblaze", "transformers"})
+_PURE_NAMESPACES = frozenset({"aten", "prims", "moeblaze", "transformers", "profiler"})
 
 
 def is_collective(node: fx.Node) -> bool:

@@ -17,7 +17,7 @@ from ..kernels.reference import plan_sizes
 from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
-from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, subgraph_body
+from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, skipped_moe_block, subgraph_body
 from .normalize import normalize, operator_name
 from .prove import Proof, prove, traced_with_gradients
 from .rewrite import rewrite
@@ -26,6 +26,7 @@ from .source import source_of
 __all__ = ["run_passes", "saved_bytes_after", "format_graph"]
 
 log = logging.getLogger("moeblaze_fx")
+_REPORT_IT = "a bug of moeblaze_fx, not of the model: nothing in the model can change it; please report it"
 
 
 def format_graph(gm: fx.GraphModule) -> str:
@@ -131,7 +132,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
         log.warning("moeblaze: internal error, graph left unchanged: %s", exc)
         log.debug("%s", traceback.format_exc())
         new_gm, records = gm, [RegionRecord(status="skipped", source="<graph>", idiom="-",
-                                            reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}")]
+                                            reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}; "
+                                                   f"{_REPORT_IT}")]
     for record in records:  # counted from what is returned, so a failed graph counts nothing rewritten
         counters["moeblaze"][record.status] += 1
     return new_gm, records
@@ -231,7 +233,11 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
 
     rewritten = 0
     quiet: set[int] = set()  # ids of the records of candidates reported only if rewritten (Candidate.quiet)
-    for cand in find_candidates(work, params):
+    candidates = find_candidates(work, params)
+    if not candidates and not where and (skipped := skipped_moe_block(work)) is not None:
+        keyed.append((0, RegionRecord(status="skipped", source=skipped[0], idiom="per-expert loop (run eagerly)",
+                                      reason=skipped[1])))
+    for cand in candidates:
         source = source_of(*([cand.output] if cand.output is not None else []), cand.topk)
         record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
         if where:
@@ -245,7 +251,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         try:  # analysis only: a failure here skips this candidate and leaves the graph as it is
             ext = extract(cand, params, name_of)
         except Exception as exc:
-            ext = f"internal error while extracting: {type(exc).__name__}: {exc}"
+            ext = f"internal error while extracting: {type(exc).__name__}: {exc}; {_REPORT_IT}"
         if isinstance(ext, str):
             record.reason = ext
             continue
@@ -256,7 +262,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             try:
                 proof = prove(work, cand, ext, real)
             except Exception as exc:
-                proof = Proof(None, reason=f"internal error while proving: {type(exc).__name__}: {exc}")
+                proof = Proof(None, reason=f"internal error while proving: {type(exc).__name__}: {exc}; {_REPORT_IT}")
             record.saved_bytes_before = proof.saved_bytes_before
             if proof.layout is None:
                 record.reason = proof.reason

@@ -164,11 +164,13 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         return Proof(None, reason="the region holds a collective, which is never run at compile time")
     for node in cand.inputs:
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
-            return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it")
+            return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it; "
+                                      "compile outside FakeTensorMode to have it checked and rewritten")
     try:
         T = size_hint(ext.T)
     except Exception:  # an unbacked token count has no hint
-        return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with")
+        return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with; "
+                                  "compile with a concrete token count (dynamic=False) to have it rewritten")
     region = region_module(gm, cand)
     gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
     values = _inputs(cand, ext, real, gen)
@@ -194,14 +196,16 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         try:
             y_region = region(*args)
         except Exception as exc:  # the region's own code failed on fresh inputs
-            return Proof(None, reason=f"running the region on random inputs failed: {type(exc).__name__}: {exc}")
+            return Proof(None, reason=f"running the region on random inputs failed: {type(exc).__name__}: {exc}; "
+                                      "nothing can be changed")
     saved_before = meter.total
 
     x2d = by_node[ext.x].reshape(T, ext.d)
     w2d = by_node[ext.weights].reshape(T, ext.K)
     ids2d = by_node[ext.ids].reshape(T, ext.K)
     if y_region.numel() != T * ext.d:
-        return Proof(None, reason=f"the region's output has {y_region.numel()} elements, expected T*d = {T * ext.d}")
+        return Proof(None, reason=f"the region's output has {y_region.numel()} elements, expected T*d = "
+                                  f"{T * ext.d}; nothing can be changed")
 
     def eager(fn, *a):
         return fn(*a)
@@ -228,12 +232,14 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
             y_ref = reference(x2d)
             if not bool(y_ref.detach().abs().amax() > 0):
                 return Proof(None, reason="the operator's output is zero on the check's inputs (zero expert "
-                                          "weights?): nothing would be proven", saved_bytes_before=saved_before)
+                                          "weights?): nothing would be proven; initialise the expert weights "
+                                          "before compiling", saved_bytes_before=saved_before)
             err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
             if err > tol:
                 if best is None or (best.forward_error or 1e9) > err:
                     best = Proof(None, reason=f"the region's output differs from the MoE operator (relative "
-                                              f"error {err:.2g} > {tol:g} for every layout and activation tried)",
+                                              f"error {err:.2g} > {tol:g} for every layout and activation tried): "
+                                              f"another function, nothing can be changed",
                                  forward_error=err)
                 continue
             if act.limit > 0:  # the clamp must be reached for its limit to be proven (see _beyond_limit)
@@ -241,7 +247,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
                 if beyond > tol:
                     best = Proof(None, reason=f"the region's output differs from the MoE operator with "
                                               f"{act.spec} once the pre-activations pass its limit (relative "
-                                              f"error {beyond:.2g} > {tol:g})", forward_error=beyond)
+                                              f"error {beyond:.2g} > {tol:g}): nothing can be changed",
+                             forward_error=beyond)
                     continue
             if forward_only:
                 ext.h = int(experts.gate.shape[1])
@@ -255,7 +262,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
                         retain_graph=True, allow_unused=True,
                     )
             except RuntimeError as exc:
-                return Proof(None, reason=f"the region's output is not differentiable: {exc}", forward_error=err)
+                return Proof(None, reason=f"the region's output is not differentiable: {exc}; nothing can be changed",
+                             forward_error=err)
             with torch.autocast(device.type, enabled=False):
                 grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
             errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
@@ -263,12 +271,12 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
             if bad:
                 worst = max(bad, key=bad.get)
                 best = Proof(None, reason=f"outputs agree but the gradient of {worst} differs (relative error "
-                                          f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err,
+                                          f"{bad[worst]:.2g} > {2 * tol:g}): nothing can be changed", forward_error=err,
                              gradient_errors=errors)
                 continue
             ext.h = int(experts.gate.shape[1])
             return Proof(layout, act, None, err, errors, saved_before, routing=routing)
     if best is None:
-        best = Proof(None, reason="no layout hypothesis had consistent shapes")
+        best = Proof(None, reason="no layout hypothesis had consistent shapes; nothing can be changed")
     best.saved_bytes_before = saved_before
     return best
