@@ -84,6 +84,18 @@ def _using(options: KernelOptions, dtype: torch.dtype):
     return kernels[4].using(options, dtype) if kernels is not None else contextlib.nullcontext()
 
 
+def _own_precision(fn):
+    """Run an op's implementation with autocast off: it computes in its inputs' dtype, which the caller chose (the
+    rewrite casts a mixed-precision region's operands to the dtype the region computes in). Left on, autocast would
+    run the CPU path's float32 products in bf16 under an autocast the region itself was not subject to."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        device = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
 def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens) -> tuple[int, Activation]:
     """Validate the operator's contract; every message names the problem and the fix. Returns (h, act)."""
     layout = [int(v) for v in layout]  # SymInts under dynamic-shape tracing: the layout is static
@@ -266,6 +278,7 @@ def _forward_chunk(x, ids, weights, experts, E, act, save_preact, opts, out=None
 
 
 @torch.library.custom_op("moeblaze::moe_ffn", mutates_args=())
+@_own_precision
 def _moe_ffn(
     x: Tensor,
     ids: Tensor,
@@ -373,6 +386,7 @@ def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, rec
 
 
 @torch.library.custom_op("moeblaze::moe_ffn_backward", mutates_args=())
+@_own_precision
 def _moe_ffn_backward(
     grad_y: Tensor,
     x: Tensor,

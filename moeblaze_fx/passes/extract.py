@@ -166,6 +166,8 @@ class Extraction:
     d: int
     h: int  # -1 until proven when shapes alone leave it open
     E: int
+    # the dtype the experts compute in (``compute_dtype``): the operator's; where the tokens or a weight reach the
+    # experts in another dtype (autocast, casts in forward), the rewrite casts them to it, as the region did
     dtype: torch.dtype
     # how the combine weights are applied: hypotheses for prove, the operator's own first
     routings: list[Routing] = dataclasses.field(default_factory=lambda: [OUTPUT_WEIGHTED])
@@ -200,7 +202,8 @@ def _families(params: list[fx.Node], name_of: dict[fx.Node, str]) -> dict[str, l
             len({tuple(example_value(p).shape) for _, p in v}) == 1 for v in trial.values()
         ):
             return trial
-    return "the per-expert parameters do not form families (one tensor of each expert per role)"
+    return ("the per-expert parameters do not form families (one tensor of each expert per role); give every "
+            "expert the same parameters (one nn.Linear per role)")
 
 
 def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[list[Role], list[str]] | str:
@@ -209,7 +212,8 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
         by_rank.setdefault(example_value(p).dim(), []).append(p)
     other = [p for r, ps in by_rank.items() if r not in (1, 2, 3) for p in ps]
     if other:
-        return f"expert parameters of unsupported rank: {[tuple(example_value(p).shape) for p in other]}"
+        return (f"expert parameters of unsupported rank: {[tuple(example_value(p).shape) for p in other]}; store "
+                "each expert weight as [E, out, in] (or one nn.Linear per expert)")
     roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in by_rank.get(3, [])]
     names = [name_of[p] for p in by_rank.get(3, [])]
     # 2-D: [E, n] biases beside 3-D weights, else the per-expert weights of a ModuleList
@@ -241,7 +245,7 @@ def _layouts(roles: list[Role], names: list[str], d: int) -> tuple[list[Layout],
     biases = [i for i, r in enumerate(roles) if r.bias]
     experts = {r.shape[0] for r in roles}
     if len(experts) != 1:
-        return f"expert parameters disagree on the number of experts: {sorted(experts)}"
+        return f"expert parameters disagree on the number of experts: {sorted(experts)}; nothing can be changed"
     layouts: list[Layout] = []
     hs: set[int] = set()
 
@@ -279,9 +283,11 @@ def _layouts(roles: list[Role], names: list[str], d: int) -> tuple[list[Layout],
                         layouts.append(Layout(Part(gate, gate_t), Part(up, up_t), Part(down, down_t)))
                         hs.add(h)
     else:
-        return f"expected 2 or 3 expert weights (gate|up and down, or gate, up and down); found {len(weights)}"
+        return (f"expected 2 or 3 expert weights (gate|up and down, or gate, up and down); found {len(weights)}: "
+                "another expert function than the operator's, nothing can be changed")
     if not layouts:
-        return f"no layout fits the expert weight shapes {[roles[i].shape for i in weights]} with d = {d}"
+        return (f"no layout fits the expert weight shapes {[roles[i].shape for i in weights]} with d = {d}; nothing "
+                "can be changed")
     if biases:  # a bias belongs to the weight of the same name and is cut as that weight is
         with_bias = []
         for lay in layouts:
@@ -293,7 +299,8 @@ def _layouts(roles: list[Role], names: list[str], d: int) -> tuple[list[Layout],
                 with_bias.append(dataclasses.replace(lay, **fields))
         if not with_bias:
             return (f"the expert biases {[names[b] for b in biases]} do not match the expert weights "
-                    f"{[names[i] for i in weights]} by name and size")
+                    f"{[names[i] for i in weights]} by name and size; name each bias after its weight "
+                    "(w1.weight and w1.bias)")
         layouts = with_bias
     # where several hidden sizes fit (d == h, say), prove decides and sets Extraction.h
     return layouts, hs.pop() if len(hs) == 1 else -1
@@ -410,14 +417,15 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     ids_val = example_value(ids)
     out_val = example_value(cand.output)
     if not isinstance(ids_val, torch.Tensor) or not isinstance(out_val, torch.Tensor):
-        return "the region's ids or output are not tensors"
+        return "the region's ids or output are not tensors; nothing can be changed"
     K = ids_val.shape[-1]
     T = math.prod(ids_val.shape[:-1]) if ids_val.dim() > 1 else None
     if T is None:
-        return f"expert ids have shape {tuple(ids_val.shape)}; expected [..., K]"
+        return f"expert ids have shape {tuple(ids_val.shape)}; expected [..., K]; nothing can be changed"
     d = out_val.shape[-1]
     if isinstance(d, torch.SymInt) or isinstance(K, torch.SymInt):
-        return "the model dimension d or top-k K is symbolic; only the token count may be dynamic"
+        return ("the model dimension d or top-k K is symbolic; only the token count may be dynamic. Mark only the "
+                "token dimension dynamic (torch._dynamo.mark_dynamic(x, 0)) or compile with dynamic=False")
 
     body = set(cand.nodes)
     data_inputs = []
@@ -438,15 +446,18 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     floats = [n for n in data_inputs if example_value(n).is_floating_point()]
     others = [n for n in data_inputs if not example_value(n).is_floating_point()]
     if others:
-        return f"the region reads non-float tensors other than the ids: {[n.name for n in others]}"
+        return (f"the region reads non-float tensors other than the ids: {[n.name for n in others]}; the operator "
+                "reads only tokens, combine weights, ids and expert weights: nothing can be changed")
     xs = [n for n in floats if same_size(example_value(n).shape[-1], d) and same_size(example_value(n).numel(), T * d)]
     ws = [n for n in floats if n not in xs and same_size(example_value(n).numel(), T * K)
           and (example_value(n).dim() == 1 or any(same_size(example_value(n).shape[-1], c) for c in (K, 1)))]
     if len(xs) != 1 or len(ws) != 1 or len(floats) != 2:
         return (f"expected the region to read tokens [T, d] and combine weights [T, K] besides the ids and "
-                f"parameters; it reads {[(n.name, tuple(example_value(n).shape)) for n in floats]}")
+                f"parameters; it reads {[(n.name, tuple(example_value(n).shape)) for n in floats]}: another "
+                "function than the operator's, nothing can be changed")
     if not param_inputs:
-        return "the region reads no parameters"
+        return ("the region reads no parameters; make the expert weights parameters of the module (nn.Parameter; "
+                "under torch.func.functional_call, the module's own parameters)")
     found = _param_roles(param_inputs, name_of)
     if isinstance(found, str):
         return found
@@ -461,15 +472,33 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
                 "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
-                f"the experts call: {', '.join(called) or 'no activation function'}")
+                f"the experts call: {', '.join(called) or 'no activation function'}; nothing can be changed short of "
+                "using one of those")
     x_val = example_value(xs[0])
-    if any(example_value(p).dtype != x_val.dtype for r in roles for p in r.params):
-        return "the expert weights and the tokens have different dtypes"
+    dtype = compute_dtype(cand, x_val.dtype)
+    if dtype not in _COMPUTE_DTYPES:
+        return (f"the experts compute in {dtype}, which the operator does not support ({_COMPUTE_DTYPES}); cast the "
+                "tokens and expert weights to one of those")
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
         activations=activations[True] + activations[False], T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
-        dtype=x_val.dtype, routings=_routings(cand, int(K)),
+        dtype=dtype, routings=_routings(cand, int(K)),
     )
+
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def compute_dtype(cand: Candidate, default: torch.dtype) -> torch.dtype:
+    """The dtype the region's expert products compute in: the narrowest float dtype among their recorded values.
+    Autocast shows there: Dynamo records ``linear``/``bmm``/``matmul`` under an autocast entered outside the compiled
+    function with the autocast dtype (the casts happen at dispatch; the graph holds no autocast node), as it records
+    explicit casts (torchtitan's ``.bfloat16()`` of the tokens and each weight). A library's custom op that autocast
+    does not reach (transformers' ``grouped_mm_fallback``, which casts to the weights' dtype) keeps its own dtype.
+    ``default`` (the tokens' dtype) where no product has a recorded float value."""
+    dtypes = [v.dtype for n in cand.nodes if role(n) in ("grouped_mm", "matmul")
+              and isinstance(v := example_value(n), torch.Tensor) and v.is_floating_point()]
+    return min(dtypes, key=lambda t: torch.finfo(t).bits, default=default)
 
 
 def idiom(cand: Candidate) -> str:

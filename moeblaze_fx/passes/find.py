@@ -40,6 +40,7 @@ import math
 import operator
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Optional
 
@@ -51,7 +52,7 @@ from .normalize import ROLE_OF, canonical_name, example_value, role, shares_stor
 from .source import is_plumbing, short_path, source_of
 
 __all__ = ["Candidate", "find_candidates", "assert_only_nodes", "SHAPE_ONLY_NAMES", "SUBGRAPH_OPS", "subgraph_body",
-           "example_value", "size_hint"]
+           "example_value", "size_hint", "skipped_moe_block", "EXPERT_PARALLEL"]
 
 # Ops that read only the shape/dtype/device of their tensor inputs.
 SHAPE_ONLY_NAMES = frozenset(
@@ -273,7 +274,9 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if out is None:
             cand.reason = ("the expert outputs never meet in one [T, d] tensor before the graph's output (a value "
                            "computed from the ids joins them on another path, or an in-place update could not be "
-                           "made functional)")
+                           "made functional). Use values computed from the ids beside the experts only where they do "
+                           "not join the expert outputs (an auxiliary loss, the ids returned); otherwise nothing can "
+                           "be changed")
             continue
         if any(role(n) == "attention" for n in body):
             candidates.remove(cand)  # a sparse-attention indexer's top-k (DeepSeek-V3.2): it selects keys, no experts
@@ -282,17 +285,24 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             candidates.remove(cand)  # group-limited routing's top-k of groups: it masks what the experts' top-k picks
             continue
         cand.output = out
+        if _collectives(body):  # judged by structure: the proof would run them, on this rank only
+            cand.reason = _collective_reason(_collectives(body))
+            continue
         capacity = _capacity_bound(body)
         if capacity is not None:
             cand.reason = _capacity_reason(*capacity)
             continue
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
         _push_out_weights(body, ids)
+        if _collectives(body):  # pulled in with the support
+            cand.reason = _collective_reason(_collectives(body))
+            continue
         mutation = _update_of_read(body, ids, out, asserts, order)
         if mutation is not None:
             cand.reason = (f"an in-place update ({canonical_name(mutation)}, node {mutation.name}) of a tensor the "
                            "region reads runs between the routing and the combine; the operator, which runs at the "
-                           "combine, would read it after the update")
+                           "combine, would read it after the update. Make that update out of place (`x = x.add(y)` "
+                           "for `x.add_(y)`) or move it after the combine")
             continue
         cand.nodes = sorted(body, key=order.__getitem__)
         external = {i for n in body for i in n.all_input_nodes if i not in body}
@@ -303,6 +313,23 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         # close the assert set over assert-only chains (sym_size -> ge -> _assert_scalar)
         cand.asserts = sorted(set(cand.asserts) | _reach(cand.asserts, _users, asserts), key=order.__getitem__)
     return candidates
+
+
+def _collectives(body: set[fx.Node]) -> list[fx.Node]:
+    return [n for n in _topological(body) if role(n) == "collective"]
+
+
+EXPERT_PARALLEL = "expert-parallel dispatch inside the region"
+
+
+def _collective_reason(nodes: list[fx.Node]) -> str:
+    """Why a region holding collectives (or ops of unknown side effects) is left alone, and what the user can do."""
+    names = sorted({canonical_name(n) for n in nodes})
+    where = source_of(nodes[0])
+    return (f"{EXPERT_PARALLEL}: it holds {len(nodes)} collective or opaque op(s) ({', '.join(names)}; first at "
+            f"{where}), which are never run at compile time (every rank must run them alike), so the region is left "
+            "alone. The local expert computation between the all-to-alls is not rewritten yet, and nothing in the "
+            "model can change that: the block runs as compiled without the operator")
 
 
 _TRANSFORMERS_FIX = ("for a transformers model whose experts take an implementation (model.set_experts_implementation "
@@ -369,6 +396,48 @@ def _split_reason(compiled_because) -> str:
     return (f"Dynamo split this MoE block at {short_path(f'{frame.filename}:{frame.lineno}')}{code}: "
             f"{cause.format(op=op)}, so the graph ends there and the experts run in other graphs. "
             f"{fix[0].upper()}{fix[1:]}")
+
+
+# Dynamo's note when a graph break inside a loop makes it run the whole frame eagerly (torch 2.11-2.13)
+_SKIPPED_FRAME = re.compile(r"frame skipped: (\w+) \((.+?) line (\d+)\)")
+
+
+def skipped_moe_block(gm: fx.GraphModule) -> Optional[tuple[str, str]]:
+    """(source, reason) when ``gm`` is compiled from a call inside an MoE block Dynamo skipped; else None.
+
+    A per-expert loop over ``range(E)`` compiled without fullgraph=True breaks inside the loop (``torch.where`` of a
+    mask, ``nonzero``, ``.item()``); Dynamo then runs the whole block eagerly and compiles only what it calls: each
+    expert's module, alone, with no top-k in its graph, so no candidate is found. Recognised from Dynamo's note
+    ("frame skipped: forward (file line N)") and the skipped frame being on the stack of this compile, its code
+    calling a top-k: the block was an MoE's, and the report says so with the fix."""
+    if any(role(n) == "topk" for n in gm.graph.nodes) or not any(
+            role(n) in ("grouped_mm", "matmul") for n in gm.graph.nodes):
+        return None
+    from torch._dynamo.utils import counters
+
+    for message in [*counters["unimplemented"], *counters["graph_break"]]:
+        for found in _SKIPPED_FRAME.finditer(message):
+            name, filename, first = found.group(1), found.group(2), int(found.group(3))
+            frame = sys._getframe()
+            while frame is not None:
+                code = frame.f_code
+                if (code.co_name, code.co_filename, code.co_firstlineno) == (name, filename, first) and \
+                        "topk" in code.co_names:
+                    return short_path(f"{filename}:{frame.f_lineno}"), _skipped_reason(message, name, filename, first)
+                frame = frame.f_back
+    return None
+
+
+def _skipped_reason(message: str, name: str, filename: str, first: int) -> str:
+    kind = message.strip().splitlines()[0].strip()
+    op = re.search(r"Operator `([^`]+)`", message)
+    op = op.group(1) if op else ""
+    cause, fix = _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind) or (
+        f"Dynamo stopped tracing there ({kind})", "see where with TORCH_LOGS=graph_breaks and change that line")
+    return (f"Dynamo skipped the MoE block `{name}` at {short_path(f'{filename}:{first}')}: a graph break inside its "
+            f"loop over the experts ({cause.format(op=op)}) makes Dynamo run the whole block eagerly, so this graph "
+            f"holds an expert's computation without the routing and nothing is rewritten. Compile with "
+            f"fullgraph=True to see the break; {fix}")
 
 
 _ID_VIEWS = frozenset({"reshape", "view", "flatten", "to", "long", "int"})
@@ -470,7 +539,8 @@ def _capacity_reason(compare: fx.Node, bound) -> str:
         capacity = f"{size_hint(capacity)} (at the traced sizes)"
     return (f"capacity routing: a running count of each expert's tokens is compared with a capacity C={capacity} at "
             f"{source_of(compare)}, and tokens beyond C are dropped; moe_ffn computes every routed token, "
-            f"so the two differ whenever an expert is routed more than C tokens: not rewritten")
+            f"so the two differ whenever an expert is routed more than C tokens: not rewritten, and nothing can be changed "
+            f"while the model drops tokens past a capacity")
 
 
 def _num_tokens(ids: fx.Node):

@@ -4,7 +4,7 @@ Two things happen here, both driven by the tables below (a new spelling is a new
 
 * **Roles.** Every node gets ``node.meta["moeblaze_role"]``: what it means for MoE analysis
   (``"topk"``, ``"dispatch"``, ``"grouped_mm"``, ``"matmul"``, ``"combine"``, ``"running_count"``,
-  ``"compare"``, ``"attention"``, ``"assert"``, or ``None``), whatever its spelling: a function, a method, an
+  ``"compare"``, ``"attention"``, ``"collective"``, ``"assert"``, or ``None``), whatever its spelling: a function, a method, an
   aten overload or a library's custom op. Eager attention has no op of its own: its softmax takes the role
   where the probabilities weigh a matrix product.
 * **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["canonical_name", "example_value", "role", "normalize", "functional_setitem", "shares_storage", "ROLE_OF",
-           "ASSERT_NAMES"]
+           "ASSERT_NAMES", "is_collective"]
 
 # --- the vocabulary --------------------------------------------------------------------------
 ROLE_OF: dict[str, str] = {
@@ -80,6 +80,33 @@ ROLE_OF: dict[str, str] = {
 ASSERT_NAMES = frozenset(
     {"_assert_scalar", "_assert_async", "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size"}
 )
+
+# Collectives, waits on them and what drives other ranks: never run at compile time (find leaves a region holding
+# one alone). Namespaces of torch's collectives (functional and autograd, c10d's own, symmetric memory); a custom op
+# of any namespace not below that writes an argument or returns nothing (DeepEP-style dispatch/combine libraries,
+# NVSHMEM wrappers) is treated the same: its side effects are unknown.
+_COLLECTIVE_NAMESPACES = ("c10d", "symm_mem", "nvshmem")  # substrings: _c10d_functional, _c10d_functional_autograd
+_PURE_NAMESPACES = frozenset({"aten", "prims", "moeblaze", "transformers", "profiler"})
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Whether ``node`` is a collective, a wait on one, or an op whose side effects are unknown (see above)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = [getattr(target, o) for o in target.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        overloads = [target]
+    else:  # a traced torch.distributed function kept as itself
+        return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
+    if not overloads:
+        return False
+    namespace = overloads[0].namespace
+    if any(c in namespace for c in _COLLECTIVE_NAMESPACES):
+        return True
+    return namespace not in _PURE_NAMESPACES and any(o._schema.is_mutable or not o._schema.returns for o in overloads)
+
 
 # In-place methods: ``x.foo_(...)`` becomes ``x.foo(...)`` whenever torch.Tensor has that
 # out-of-place method (index_add_, masked_fill_, clamp_, scatter_, div_, ...); these have none.
@@ -152,6 +179,8 @@ def _role_of(node: fx.Node) -> Optional[str]:
     name = canonical_name(node)
     if name in ASSERT_NAMES:
         return "assert"
+    if is_collective(node):
+        return "collective"
     if name == "where" and len(node.args) + len(node.kwargs) == 1:
         return "dispatch"  # torch.where(cond) is nonzero
     if name in ("softmax", "_softmax") and _weighs_a_product(node):

@@ -17,7 +17,7 @@ from ..kernels.reference import plan_sizes
 from ..ops import _use_triton as use_triton, default_chunk_tokens, plan_block_m
 from ..report import RegionRecord
 from .extract import extract, idiom
-from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, subgraph_body
+from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, skipped_moe_block, subgraph_body
 from .normalize import normalize, operator_name
 from .prove import Proof, prove, traced_with_gradients
 from .rewrite import rewrite
@@ -26,6 +26,7 @@ from .source import source_of
 __all__ = ["run_passes", "saved_bytes_after", "format_graph"]
 
 log = logging.getLogger("moeblaze_fx")
+_REPORT_IT = "a bug of moeblaze_fx, not of the model: nothing in the model can change it; please report it"
 
 
 def format_graph(gm: fx.GraphModule) -> str:
@@ -131,7 +132,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any],
         log.warning("moeblaze: internal error, graph left unchanged: %s", exc)
         log.debug("%s", traceback.format_exc())
         new_gm, records = gm, [RegionRecord(status="skipped", source="<graph>", idiom="-",
-                                            reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}")]
+                                            reason=f"internal error, graph left unchanged: {type(exc).__name__}: {exc}; "
+                                                   f"{_REPORT_IT}")]
     for record in records:  # counted from what is returned, so a failed graph counts nothing rewritten
         counters["moeblaze"][record.status] += 1
     return new_gm, records
@@ -163,6 +165,28 @@ def _subgraph_calls(work: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
     return [c for c in calls if uses[c[1]] == 1]
 
 
+def _local_parameters(graph: fx.Graph, params: set[fx.Node], real: dict[fx.Node, Any],
+                      name_of: dict[fx.Node, str]) -> None:
+    """A DTensor parameter unwrapped in forward (``w.to_local()``, torchtitan's experts under TP/EP), or a flat
+    ``[E*h, d]`` parameter viewed per expert, is an expert parameter in that form: the region reads the local tensor, the operator is given it, and its gradient
+    reaches the DTensor through ``to_local``'s backward. (The DTensor itself cannot be run by the proof: its storage
+    is not a plain tensor's.)"""
+    for node in graph.nodes:
+        if not (node.op == "call_method" and node.args and node.args[0] in params):
+            continue
+        param = node.args[0]
+        # a flat [E*h, d] weight viewed per expert ([E, h, d]) is that expert weight too
+        per_expert = node.target in ("view", "reshape", "unflatten") and example_value(param).dim() == 2 and \
+            isinstance(example_value(node), torch.Tensor) and example_value(node).dim() == 3 and \
+            not node.kwargs and not any(isinstance(a, fx.Node) for a in node.args[1:])
+        if node.target == "to_local" or per_expert:
+            params.add(node)
+            name_of[node] = name_of[param]
+            if param in real:
+                real[node] = real[param].to_local() if node.target == "to_local" else \
+                    getattr(real[param], str(node.target))(*node.args[1:])
+
+
 def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig, where: str,
              names: Optional[dict[fx.Node, str]] = None) -> tuple[list[RegionRecord], bool]:
     """Rewrite ``work`` (a copy: changed in place) and the bodies of its subgraph calls (copies put in its
@@ -185,6 +209,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
                 params.add(node)
                 real[node] = value
                 name_of[node] = str(node.target)
+    _local_parameters(work.graph, params, real, name_of)
 
     order = {n: i for i, n in enumerate(work.graph.nodes)}
     keyed: list[tuple[int, RegionRecord]] = []
@@ -208,7 +233,11 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
 
     rewritten = 0
     quiet: set[int] = set()  # ids of the records of candidates reported only if rewritten (Candidate.quiet)
-    for cand in find_candidates(work, params):
+    candidates = find_candidates(work, params)
+    if not candidates and not where and (skipped := skipped_moe_block(work)) is not None:
+        keyed.append((0, RegionRecord(status="skipped", source=skipped[0], idiom="per-expert loop (run eagerly)",
+                                      reason=skipped[1])))
+    for cand in candidates:
         source = source_of(*([cand.output] if cand.output is not None else []), cand.topk)
         record = RegionRecord(status="skipped", source=source, idiom=idiom(cand) if cand.nodes else "-")
         if where:
@@ -222,7 +251,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         try:  # analysis only: a failure here skips this candidate and leaves the graph as it is
             ext = extract(cand, params, name_of)
         except Exception as exc:
-            ext = f"internal error while extracting: {type(exc).__name__}: {exc}"
+            ext = f"internal error while extracting: {type(exc).__name__}: {exc}; {_REPORT_IT}"
         if isinstance(ext, str):
             record.reason = ext
             continue
@@ -233,7 +262,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             try:
                 proof = prove(work, cand, ext, real)
             except Exception as exc:
-                proof = Proof(None, reason=f"internal error while proving: {type(exc).__name__}: {exc}")
+                proof = Proof(None, reason=f"internal error while proving: {type(exc).__name__}: {exc}; {_REPORT_IT}")
             record.saved_bytes_before = proof.saved_bytes_before
             if proof.layout is None:
                 record.reason = proof.reason

@@ -24,8 +24,9 @@ from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
 from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
 from .find import Candidate, example_value, size_hint
+from .normalize import role
 
-__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients"]
+__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients", "is_mixed"]
 
 # Relative error ||region - reference|| / ||reference|| accepted per dtype. The reference runs the
 # same dtype with float32 accumulation; a wrong layout or function gives errors near 1. float32 gets 1e-4 where its
@@ -120,6 +121,12 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
     return values
 
 
+def is_mixed(ext: Extraction) -> bool:
+    """Whether the tokens or an expert weight reach the experts in another dtype than the one they compute in."""
+    dtypes = {example_value(ext.x).dtype} | {example_value(p).dtype for role in ext.roles for p in role.params}
+    return dtypes != {ext.dtype}
+
+
 def traced_with_gradients(cand: Candidate) -> bool:
     """Whether the region's output needed a gradient when traced. Dynamo guards a graph on the grad mode and on its
     inputs' requires_grad, so a graph traced without (under torch.no_grad, or with nothing requiring grad) never
@@ -153,17 +160,25 @@ def prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.No
 
 
 def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any]) -> Proof:
+    if any(role(n) == "collective" for n in cand.nodes):  # find leaves these alone; never run one here
+        return Proof(None, reason="the region holds a collective, which is never run at compile time")
     for node in cand.inputs:
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
-            return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it")
+            return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it; "
+                                      "compile outside FakeTensorMode to have it checked and rewritten")
     try:
         T = size_hint(ext.T)
     except Exception:  # an unbacked token count has no hint
-        return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with")
+        return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with; "
+                                  "compile with a concrete token count (dynamic=False) to have it rewritten")
     region = region_module(gm, cand)
     gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
     values = _inputs(cand, ext, real, gen)
-    tol = tolerance(ext.dtype, example_value(ext.x).device)
+    device = example_value(ext.x).device
+    tol = tolerance(ext.dtype, device)
+    # the tokens or a weight reach the experts in another dtype than the one they compute in (autocast, casts in
+    # forward): the region is judged at its compute dtype's tolerance against a float32 evaluation of the function
+    mixed = is_mixed(ext)
 
     leaves: dict[str, torch.Tensor] = {}
     args = []
@@ -181,14 +196,16 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         try:
             y_region = region(*args)
         except Exception as exc:  # the region's own code failed on fresh inputs
-            return Proof(None, reason=f"running the region on random inputs failed: {type(exc).__name__}: {exc}")
+            return Proof(None, reason=f"running the region on random inputs failed: {type(exc).__name__}: {exc}; "
+                                      "nothing can be changed")
     saved_before = meter.total
 
     x2d = by_node[ext.x].reshape(T, ext.d)
     w2d = by_node[ext.weights].reshape(T, ext.K)
     ids2d = by_node[ext.ids].reshape(T, ext.K)
     if y_region.numel() != T * ext.d:
-        return Proof(None, reason=f"the region's output has {y_region.numel()} elements, expected T*d = {T * ext.d}")
+        return Proof(None, reason=f"the region's output has {y_region.numel()} elements, expected T*d = "
+                                  f"{T * ext.d}; nothing can be changed")
 
     def eager(fn, *a):
         return fn(*a)
@@ -198,6 +215,8 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     best: Optional[Proof] = None
     with torch.enable_grad():
         stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
+        if mixed:
+            stacked = [v.float() for v in stacked]
         for layout, act, routing in itertools.product(ext.layouts, ext.activations, ext.routings):
             if act.gated != (layout.up is not None):
                 continue
@@ -205,18 +224,22 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
 
             def reference(x):
                 """The operator's function of the tokens, under this hypothesis (called within this iteration)."""
-                xr, wr = routing.apply(x, w2d)
-                return moe_ffn_reference(xr, ids2d, wr, experts, act)
+                xr, wr = routing.apply(x.float() if mixed else x, w2d)
+                # the region runs under the autocast it was traced in (as it will run); the reference never does
+                with torch.autocast(device.type, enabled=False):
+                    return moe_ffn_reference(xr, ids2d, wr, experts, act)
 
             y_ref = reference(x2d)
             if not bool(y_ref.detach().abs().amax() > 0):
                 return Proof(None, reason="the operator's output is zero on the check's inputs (zero expert "
-                                          "weights?): nothing would be proven", saved_bytes_before=saved_before)
+                                          "weights?): nothing would be proven; initialise the expert weights "
+                                          "before compiling", saved_bytes_before=saved_before)
             err = _rel_error(y_region.reshape(T, ext.d).to(y_ref.dtype), y_ref, y_ref)
             if err > tol:
                 if best is None or (best.forward_error or 1e9) > err:
                     best = Proof(None, reason=f"the region's output differs from the MoE operator (relative "
-                                              f"error {err:.2g} > {tol:g} for every layout and activation tried)",
+                                              f"error {err:.2g} > {tol:g} for every layout and activation tried): "
+                                              f"another function, nothing can be changed",
                                  forward_error=err)
                 continue
             if act.limit > 0:  # the clamp must be reached for its limit to be proven (see _beyond_limit)
@@ -224,32 +247,36 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
                 if beyond > tol:
                     best = Proof(None, reason=f"the region's output differs from the MoE operator with "
                                               f"{act.spec} once the pre-activations pass its limit (relative "
-                                              f"error {beyond:.2g} > {tol:g})", forward_error=beyond)
+                                              f"error {beyond:.2g} > {tol:g}): nothing can be changed",
+                             forward_error=beyond)
                     continue
             if forward_only:
                 ext.h = int(experts.gate.shape[1])
                 return Proof(layout, act, None, err, {}, saved_before, forward_only=True, routing=routing)
             names = list(leaves)
             g = torch.randn(y_ref.shape, generator=gen, device=y_ref.device).to(y_ref.dtype)
-            try:
-                grads_region = torch.autograd.grad(
-                    y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
-                    retain_graph=True, allow_unused=True,
-                )
+            try:  # a backward runs outside the forward's autocast (as loss.backward() after the autocast block)
+                with torch.autocast(device.type, enabled=False):
+                    grads_region = torch.autograd.grad(
+                        y_region, list(leaves.values()), g.reshape(y_region.shape).to(y_region.dtype),
+                        retain_graph=True, allow_unused=True,
+                    )
             except RuntimeError as exc:
-                return Proof(None, reason=f"the region's output is not differentiable: {exc}", forward_error=err)
-            grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
+                return Proof(None, reason=f"the region's output is not differentiable: {exc}; nothing can be changed",
+                             forward_error=err)
+            with torch.autocast(device.type, enabled=False):
+                grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), g, retain_graph=True, allow_unused=True)
             errors = {n: _rel_error(a, b, leaves[n]) for n, a, b in zip(names, grads_region, grads_ref)}
             bad = {n: e for n, e in errors.items() if e > 2 * tol}
             if bad:
                 worst = max(bad, key=bad.get)
                 best = Proof(None, reason=f"outputs agree but the gradient of {worst} differs (relative error "
-                                          f"{bad[worst]:.2g} > {2 * tol:g})", forward_error=err,
+                                          f"{bad[worst]:.2g} > {2 * tol:g}): nothing can be changed", forward_error=err,
                              gradient_errors=errors)
                 continue
             ext.h = int(experts.gate.shape[1])
             return Proof(layout, act, None, err, errors, saved_before, routing=routing)
     if best is None:
-        best = Proof(None, reason="no layout hypothesis had consistent shapes")
+        best = Proof(None, reason="no layout hypothesis had consistent shapes; nothing can be changed")
     best.saved_bytes_before = saved_before
     return best

@@ -53,6 +53,8 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
 
     with graph.inserting_before(y):
         x2d = _as_2d(ext.x, ext.d, call)
+        if x_val.dtype != ext.dtype:  # the casts the region made (autocast's at dispatch, or written in forward)
+            x2d = call("to", x2d, ext.dtype)
         ids2d = _as_2d(ext.ids, ext.K, call)
         w2d = _as_2d(ext.weights, ext.K, call)
         if routing.fn == "sigmoid":  # as Routing.apply
@@ -60,6 +62,9 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         if routing.on_input:
             x2d, w2d = call(operator.mul, x2d, w2d), call(torch.ones_like, w2d)
         params, layout_ints = layout.operator_args(ext.roles)
+        # a cast keeps a dense parameter's strides (preserve_format), so the layout ints still hold; its backward
+        # returns the gradient in the parameter's own dtype
+        params = [p if example_value(p).dtype == ext.dtype else call("to", p, ext.dtype) for p in params]
         # kernel_options (config.encode_kernels): given where not the defaults ("")
         op = call(torch.ops.moeblaze.moe_ffn.default, x2d, ids2d, w2d, params, layout_ints, activation, checkpoint,
                   chunk_tokens, *((kernel_options,) if kernel_options else ()))
@@ -67,7 +72,7 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         if tuple(y_val.shape) != tuple(example_value(out).shape):
             out = call("view_as", out, ext.x) if tuple(y_val.shape) == tuple(x_val.shape) else \
                 call(torch.reshape, out, tuple(y_val.shape))
-        if y_val.dtype != x_val.dtype:
+        if y_val.dtype != ext.dtype:
             out = call("to", out, y_val.dtype)
     y.replace_all_uses_with(out)
     for node in reversed(cand.asserts):

@@ -154,7 +154,7 @@ class TestGolden(expecttest.TestCase):
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
   [0] skipped   tests/e2e/test_capacity.py:61  -
-      reason: capacity routing: a running count of each expert's tokens is compared with a capacity C=3 at tests/e2e/test_capacity.py:49, and tokens beyond C are dropped; moe_ffn computes every routed token, so the two differ whenever an expert is routed more than C tokens: not rewritten""")
+      reason: capacity routing: a running count of each expert's tokens is compared with a capacity C=3 at tests/e2e/test_capacity.py:49, and tokens beyond C are dropped; moe_ffn computes every routed token, so the two differ whenever an expert is routed more than C tokens: not rewritten, and nothing can be changed while the model drops tokens past a capacity""")
 
     def test_report_symbolic_capacity(self):
         """dynamic=True: C = ceil(1.5 * T * 2 / 4) is symbolic; the report shows its traced value."""
@@ -164,4 +164,4 @@ moeblaze: 0 of 1 MoE candidate(s) rewritten
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
   [0] skipped   tests/e2e/test_capacity.py:61  -
-      reason: capacity routing: a running count of each expert's tokens is compared with a capacity C=8 (at the traced sizes) at tests/e2e/test_capacity.py:51, and tokens beyond C are dropped; moe_ffn computes every routed token, so the two differ whenever an expert is routed more than C tokens: not rewritten""")
+      reason: capacity routing: a running count of each expert's tokens is compared with a capacity C=8 (at the traced sizes) at tests/e2e/test_capacity.py:51, and tokens beyond C are dropped; moe_ffn computes every routed token, so the two differ whenever an expert is routed more than C tokens: not rewritten, and nothing can be changed while the model drops tokens past a capacity""")
