@@ -107,6 +107,23 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _write_results(result, args: argparse.Namespace, stem: str) -> None:
+    """Print the markdown tables; write them and the JSON rows where --out, --json and --markdown say."""
+    markdown = result.to_markdown()
+    print(markdown)
+    sys.stdout.flush()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        result.to_json(os.path.join(args.out, f"{stem}.json"))
+        with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+            f.write(markdown)
+    if args.json:
+        result.to_json(args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if getattr(args, "bench_what", None) == "models":
         return run_models(args)
@@ -151,19 +168,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"moeblaze bench: {exc}", file=sys.stderr)
         return 2
-    markdown = result.to_markdown()
-    print(markdown)
-    sys.stdout.flush()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        result.to_json(os.path.join(args.out, "bench.json"))
-        with open(os.path.join(args.out, "bench.md"), "w") as f:
-            f.write(markdown)
-    if args.json:
-        result.to_json(args.json)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
+    _write_results(result, args, "bench")
     if args.plot:
         try:
             for path in result.plot(args.out or "."):
@@ -263,19 +268,7 @@ def run_models(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"moeblaze bench models: {exc}", file=sys.stderr)
         return 2
-    markdown = result.to_markdown()
-    print(markdown)
-    sys.stdout.flush()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        result.to_json(os.path.join(args.out, "models.json"))
-        with open(os.path.join(args.out, "models.md"), "w") as f:
-            f.write(markdown)
-    if args.json:
-        result.to_json(args.json)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
+    _write_results(result, args, "models")
     return 1 if any(r["status"] == "error" for r in result.rows) else 0
 
 
