@@ -105,16 +105,24 @@ def check(case, policy, tol, window_slots=0):
 
 
 def _interleaved_flags(monkeypatch):
-    """Record the INTERLEAVED constexpr of every up, down and dw launch: (kind, INTERLEAVED, TWO_B)."""
-    seen = []
+    """Record the INTERLEAVED constexpr of every launch: (kind, INTERLEAVED, TWO_B); in ``.modes`` (kind,
+    INTERLEAVED, the descriptor mode or flag: W_TMA, B_TMA or TMA)."""
+    seen = _Seen()
     launch = autotune.launch
 
     def spy(kernel, tuned_kernel, kind, *args, **kwargs):
         seen.append((kind, kwargs.get("INTERLEAVED"), kwargs.get("TWO_B")))
+        modes.append((kind, kwargs.get("INTERLEAVED"), kwargs.get("W_TMA", kwargs.get("B_TMA", kwargs.get("TMA")))))
         return launch(kernel, tuned_kernel, kind, *args, **kwargs)
 
+    modes = []
     monkeypatch.setattr(autotune, "launch", spy)
+    seen.modes = modes
     return seen
+
+
+class _Seen(list):
+    modes: list
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +152,23 @@ def test_interleaved_matches_reference(monkeypatch, T, d, h, E, K, ids_mode, win
     assert sorted(s for s in seen if s[0] == "down") == sorted([("down", False, False)] * windows
                                                                + [("down", True, False)] * windows)
     assert sorted(s[1] for s in seen if s[0] == "dw") == [False] * windows + [True] * windows
+    # the weights' 16-byte aligned rows (2h * 4 bytes, h % 2 == 0) take descriptors: up's over [d, 2h] (mode 1),
+    # dX's over [2h, d] read transposed (mode 2), dW's over dA|dB
+    assert {m for m in seen.modes if m[1]} == {("up", True, 1), ("down", True, 2), ("dw", True, True)}
+
+
+@pytest.mark.parametrize("policy", ["activations", "recompute"])
+@pytest.mark.parametrize("case_index", [0, 2], ids=["ragged", "even"])
+def test_interleaved_through_pointers(monkeypatch, case_index, policy):
+    # Without tensor descriptors (devices before sm_90, a base or row stride that is not 16-byte aligned): the
+    # interleaved tiles through pointer loads, ragged (masked, wrapped columns) and even.
+    monkeypatch.setattr(expert_fwd, "tma_available", lambda device: False)
+    monkeypatch.setattr(expert_bwd, "tma_available", lambda device: False)
+    seen = _interleaved_flags(monkeypatch)
+    T, d, h, E, K, ids_mode, window_slots = CASES[case_index]
+    case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K + 1)
+    check(case, policy, tol=1e-5, window_slots=window_slots)
+    assert {m for m in seen.modes if m[1]} == {("up", True, 0), ("down", True, 0), ("dw", True, False)}
 
 
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
@@ -213,7 +238,7 @@ def test_operator_over_gpt_oss_storage_in_the_interpreter(monkeypatch, checkpoin
             return autotune.plan_block_m()
 
     monkeypatch.setattr(ops, "plan_block_m", block_m)
-    T, d, h, E, K = 40, 24, 20, 4, 2
+    T, d, h, E, K = 160, 24, 20, 4, 2
     case = make_case(T, d, h, E, K, ids_mode="sentinel", seed=9)
     params = [case["storage"][k].clone().requires_grad_() for k in ("gate_up", "down", "gate_up_bias", "down_bias")]
     views = [RoleView(0, 1, 0, d * 2 * h, 2, 2 * h, h, d), RoleView(0, 1, 1, d * 2 * h, 2, 2 * h, h, d),
@@ -228,9 +253,10 @@ def test_operator_over_gpt_oss_storage_in_the_interpreter(monkeypatch, checkpoin
                             roles(dict(zip(("gate_up", "down", "gate_up_bias", "down_bias"), ref_leaves[2:]))),
                             case["act"])
     want = torch.autograd.grad(ref, ref_leaves, case["grad_y"].double())
-    # chunk_tokens c: windows of 2c of the 80 slots. 0: one; 6: seven, gradients added to in place; 15: three,
-    # added to in float32 buffers (4 x 1440 weight elements fit in a window's transients)
-    for chunk in (0, 6, 15):
+    # chunk_tokens c: windows of 2c of the 320 slots. 0: one; 20: eight, gradients of experts spanning windows added
+    # to in place; 48: four, added to in float32 buffers (4 bytes x 5760 weight elements fit in a window's 96 x
+    # 256 bytes of transients), the gate/up one allocated interleaved like the parameter
+    for chunk in (0, 20, 48):
         seen.clear()
         y = torch.ops.moeblaze.moe_ffn(x, case["ids"], wts, params, layout, case["act"], checkpoint, chunk)[0]
         got = torch.autograd.grad(y, leaves, case["grad_y"])
@@ -240,3 +266,7 @@ def test_operator_over_gpt_oss_storage_in_the_interpreter(monkeypatch, checkpoin
         assert any(s == ("up", True, None) for s in seen) and ("down", True, False) in seen
         assert any(s[0] == "dw" and s[1] for s in seen)
         assert not any(s[0] == "up" and not s[1] for s in seen)
+        windows = expert_fwd.num_slot_windows(T * K, chunk * K)
+        assert windows == {0: 1, 20: 8, 48: 4}[chunk]
+        assert sorted(s[1] for s in seen if s[0] == "dw") == [False] * windows + [True] * windows
+    assert ops._interleaved_gate_up(views) and not ops._interleaved_gate_up([views[1], views[0]])
