@@ -68,6 +68,7 @@ from .expert_fwd import (
     _grouped_tile_ids,
     _table_ptr,
     _up_sm90_weights,
+    _up_triton,
     _up_weight_mode,
     _window_tile,
     check_expert_inputs,
@@ -793,6 +794,12 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see the module doc)
     up_sm90 = _up_sm90_weights(w, d, _up_weight_mode(w, x)[1], x) if recompute and dh_sm90 is not None else None
     biased = gate_bias is not None or up_bias is not None
+    # "recompute" with interleaved gate/up weights (gpt-oss): the dh kernel's own recomputation would read them with
+    # a 2-element stride (element-wise gathers); instead the forward's interleaved up kernel computes the window's
+    # A|B again into the dA|dB buffer and dh runs as under "activations", in place over it (as the Gluon path above
+    # does: each A|B element read before it is written, by the program that writes it). Only split: the epilogue
+    # launch (dh_act) has one configuration, never re-run by the tuner over its own output.
+    recompute_up = recompute and DH_SPLIT and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
     grads_gate_up = _gate_up_table(grads.gate, grads.up)  # dW_gate and dW_up as one launch, or None
     grads_interleaved = _interleaved_grad_table(grads.gate, grads.up)  # likewise, interleaved (gpt-oss)
     for i, win in enumerate(windows):
@@ -816,12 +823,16 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, dpre, dpre, part[bias_rows:],
                                         weights, act)
                 phases = []
+            elif recompute_up:
+                _up_triton(x, w, up, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True, *_up_weight_mode(w, x))
+                phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
             elif recompute:
                 phases = [(_expert_dh_recompute_tuned, "dh_recompute", 0)]
             elif DH_SPLIT:
                 phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
             else:
                 phases = [(_expert_dh_tuned, "dh", 0)]
+            in_dh = recompute and not recompute_up  # A|B recomputed inside the dh kernel
             for tuned_kernel, kind, phase in phases:
                 if phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
                     if gather_sm90.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
@@ -846,8 +857,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     float(act.alpha), float(act.limit),
                     ACT=ACT_CODES[act.name], GATED=act.gated,
                     HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                    W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-                    RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+                    W_ALIGN=table_align(w.down, w.gate, w.up) if in_dh else table_align(w.down),
+                    RECOMPUTE=in_dh, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
                     PHASE=phase,
                 )
             del pre  # may alias dpre: it must not outlive the window

@@ -146,9 +146,13 @@ def test_interleaved_matches_reference(monkeypatch, T, d, h, E, K, ids_mode, win
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K)
     check(case, policy, tol=1e-5, window_slots=window_slots)
     windows = expert_fwd.num_slot_windows(T * K, window_slots)
-    # every up, dX and dW_gate|up launch on the interleaved path: one up and one dX per window (and, under
-    # "recompute", A|B recomputed per window), two dW launches per window (down; gate and up together)
-    assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * windows
+    # every up, dX and dW_gate|up launch on the interleaved path: one up and one dX per window (under "recompute"
+    # A|B computed again by the up kernel, then dh as under "activations", never the dh kernel's own strided
+    # recomputation), two dW launches per window (down; gate and up together)
+    ups = 2 if policy == "recompute" else 1
+    assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (ups * windows)
+    kinds = [s[0] for s in seen]
+    assert kinds.count("dh_gemm") == kinds.count("dh_act") == windows and "dh_recompute" not in kinds
     assert sorted(s for s in seen if s[0] == "down") == sorted([("down", False, False)] * windows
                                                                + [("down", True, False)] * windows)
     assert sorted(s[1] for s in seen if s[0] == "dw") == [False] * windows + [True] * windows
@@ -169,6 +173,17 @@ def test_interleaved_through_pointers(monkeypatch, case_index, policy):
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K + 1)
     check(case, policy, tol=1e-5, window_slots=window_slots)
     assert {m for m in seen.modes if m[1]} == {("up", True, 0), ("down", True, 0), ("dw", True, False)}
+
+
+def test_interleaved_recompute_inside_dh_when_not_split(monkeypatch):
+    # DH_SPLIT = False (one fused dh launch, kept for comparisons): "recompute" keeps the dh kernel's own
+    # recomputation of A|B, through the strided gate and up tables; still every gradient as the reference's.
+    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
+    seen = _interleaved_flags(monkeypatch)
+    case = make_case(37, 40, 24, 5, 4, ids_mode="empty_expert", seed=11)
+    check(case, "recompute", tol=1e-5, window_slots=41)
+    kinds = [s[0] for s in seen]
+    assert kinds.count("dh_recompute") == kinds.count("up") == 4
 
 
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
