@@ -871,7 +871,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         if not skip:
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
             if grads_interleaved is not None:
-                _weight_grad(x, dpre, grads_interleaved, plan, K, accumulate, dw_window, interleaved=True)
+                _weight_grad(x, dpre, grads_interleaved, plan, K, accumulate, dw_window, True)  # interleaved
             elif grads_gate_up is not None:
                 _weight_grad(x, dpre, _transposed(grads_gate_up), plan, K, accumulate, dw_window)
             else:

@@ -174,9 +174,11 @@ def _interleaved_up_loop(x_ptrs, w_base, pid_n, d, h, stride_x_d, stride_w_d, W_
     (pointers; an even number of columns, so a wrapped pair stays a gate/up pair): only dropped outputs see them."""
     offs_k = tl.arange(0, BLOCK_K)
     c0 = pid_n * (2 * BLOCK_N)
-    if W_TMA:
-        tl.static_assert(W_TMA == 1)  # the 2h columns are the contiguous axis
-        w_desc = _w_desc(w_base, d, 2 * h, stride_w_d, 1, W_TMA, BLOCK_K, 2 * BLOCK_N)
+    # a descriptor's block spans at most 256 elements a dimension (TMA): wider tiles load through pointers
+    DESC: tl.constexpr = W_TMA if 2 * BLOCK_N <= 256 else 0
+    if DESC:
+        tl.static_assert(DESC == 1)  # the 2h columns are the contiguous axis
+        w_desc = _w_desc(w_base, d, 2 * h, stride_w_d, 1, DESC, BLOCK_K, 2 * BLOCK_N)
     else:
         offs_c = c0 + tl.arange(0, 2 * BLOCK_N)
         if not EVEN_N:
@@ -189,15 +191,15 @@ def _interleaved_up_loop(x_ptrs, w_base, pid_n, d, h, stride_x_d, stride_w_d, W_
         else:
             k_mask = offs_k < d - k0
             xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        if W_TMA:
-            w = _w_tile(w_desc, k0, c0, W_TMA)
+        if DESC:
+            w = _w_tile(w_desc, k0, c0, DESC)
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
         acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_x_d
-        if not W_TMA:
+        if not DESC:
             w_ptrs += BLOCK_K * stride_w_d
     acc_a, acc_b = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     return acc_a, acc_b
@@ -386,9 +388,11 @@ def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride
     B_TMA (then 2: k contiguous), a descriptor built here; rows past 2 k_dim read as zeros or are masked."""
     BLOCK_M: tl.constexpr = a_ptrs.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
-    if B_TMA:
-        tl.static_assert(B_TMA == 2)
-        b_desc = _w_desc(b_base, 2 * k_dim, n_dim, 1, stride_b_n, B_TMA, 2 * BLOCK_K, BLOCK_N)
+    # a descriptor's block spans at most 256 elements a dimension (TMA): deeper tiles load through pointers
+    DESC: tl.constexpr = B_TMA if 2 * BLOCK_K <= 256 else 0
+    if DESC:
+        tl.static_assert(DESC == 2)
+        b_desc = _w_desc(b_base, 2 * k_dim, n_dim, 1, stride_b_n, DESC, 2 * BLOCK_K, BLOCK_N)
     else:
         offs_kk = tl.arange(0, 2 * BLOCK_K)
         b_ptrs = b_base + offs_kk[:, None] + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [2 BK, BN]
@@ -402,8 +406,8 @@ def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride
             a0 = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             a1 = tl.load(a1_ptrs, mask=k_mask[None, :], other=0.0)
         a = tl.reshape(tl.join(a0, a1), [BLOCK_M, 2 * BLOCK_K])  # column 2j: A0's j, 2j + 1: A1's j
-        if B_TMA:
-            b = _w_tile(b_desc, 2 * k0, n0, B_TMA)
+        if DESC:
+            b = _w_tile(b_desc, 2 * k0, n0, DESC)
         elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
@@ -411,7 +415,7 @@ def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_a_k
         a1_ptrs += BLOCK_K * stride_a_k
-        if not B_TMA:
+        if not DESC:
             b_ptrs += 2 * BLOCK_K
     return acc
 

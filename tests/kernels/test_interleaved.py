@@ -175,6 +175,17 @@ def test_interleaved_through_pointers(monkeypatch, case_index, policy):
     assert {m for m in seen.modes if m[1]} == {("up", True, 0), ("down", True, 0), ("dw", True, False)}
 
 
+@pytest.mark.parametrize("policy", ["activations", "recompute"])
+def test_interleaved_wide_tiles_past_a_descriptor_block(policy):
+    # A pinned configuration whose interleaved tiles would exceed a descriptor's 256-element block (up's
+    # 2 x block_n columns, dX's 2 x block_k rows): those tiles load through pointers, the results unchanged.
+    from moeblaze_fx.config import KernelOptions
+
+    case = make_case(37, 40, 24, 5, 4, ids_mode="empty_expert", seed=12)
+    with autotune.using(KernelOptions(kernel_config="block_m=16,block_n=256,block_k=256,num_warps=4")):
+        check(case, policy, tol=1e-5)
+
+
 def test_interleaved_recompute_inside_dh_when_not_split(monkeypatch):
     # DH_SPLIT = False (one fused dh launch, kept for comparisons): "recompute" keeps the dh kernel's own
     # recomputation of A|B, through the strided gate and up tables; still every gradient as the reference's.
