@@ -824,7 +824,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                                         weights, act)
                 phases = []
             elif recompute_up:
-                _up_triton(x, w, up, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True, *_up_weight_mode(w, x))
+                _up_triton(x, w, up, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True,
+                           *_up_weight_mode(w, x))
                 phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
             elif recompute:
                 phases = [(_expert_dh_recompute_tuned, "dh_recompute", 0)]

@@ -282,7 +282,8 @@ def _expert_up_kernel(
             if GATED:
                 wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
         else:
-            wg_ptrs = wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d  # [BK, BN]
+            wg_ptrs = (wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n
+                       + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
             if GATED:
                 wu_ptrs = wu_base + offs_n_ld[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d
 
@@ -599,8 +600,10 @@ def _expert_combine_window_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA", "INTERLEAVED"])
-_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA", "INTERLEAVED"])
+_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up",
+                                  key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA", "INTERLEAVED"])
+_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down",
+                                    key=["n_dim", "k_dim", "TWO_B", "B_TMA", "INTERLEAVED"])
 
 
 # ---------------------------------------------------------------------------------------------
