@@ -27,6 +27,11 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
     _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB;
                         one launch for both, [dW_gate | dW_up][e].T from dA|dB, where up's rows follow gate's
                         in one [E, 2h, d] tensor (Hugging Face's fused gate_up)
+                        (interleaved gate and up, gpt-oss: one launch writing the [d, 2h] gradient of the stored
+                        gate_up_proj contiguously along 2h, dA and dB joined column by column in registers; the dX
+                        above then runs as one contraction over 2h, see expert_fwd; and "recompute" computes A|B
+                        again with the forward's up kernel into the dA|dB buffer, dh then running as under
+                        "activations" in place over it, instead of inside the dh kernel through strided loads)
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order; a window of fewer
                         slots than T over its own tokens only: expert_fwd.combine)

@@ -60,6 +60,14 @@ tensor and the window's rows are 16-byte aligned. The gated up projection withou
 d % 64 == 0 and the weights are row blocks of one tensor. The kernel option ``gluon=False``
 (``config.KernelOptions``) keeps the Triton kernels.
 
+Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0::2, up = 1::2;
+:func:`.tables.interleaved_gate_up` decides from the tables): each role alone is strided by 2 along h, which only
+element-wise loads can read (no descriptor; the Gluon kernels never take them). The up kernel's INTERLEAVED path reads
+each expert's [d, 2h] instead as one matrix, contiguous along 2h (a descriptor over it where its rows are 16-byte
+aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose adjacent columns it splits into A and B; the down kernel's
+INTERLEAVED path (the backward's dX) contracts over 2h with dA and dB joined column by column in registers against
+contiguous [2 * BLOCK_K, BLOCK_N] tiles of it. Saved A|B and the rest of the data flow are the same.
+
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
 untuned, so the operator may prefer the plain-PyTorch path for fp32.
