@@ -438,6 +438,16 @@ def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, c
     return dx, dweights, list(bufs.values())
 
 
+def _interleaved_gate_up(views: Sequence[RoleView | None]) -> bool:
+    """Whether the gate and up roles interleave column by column in one ``[E, ...]`` parameter (gpt-oss's
+    ``gate_up_proj [E, d, 2h]``): the layout form of ``kernels.tables.interleaved_gate_up``, which the kernels
+    decide their INTERLEAVED paths by (from the tables built of these views)."""
+    gate, up = views[0], views[1]
+    return (up is not None and gate.count == up.count == 1 and gate.first == up.first
+            and up.offset == gate.offset + 1 and gate.stride_r == up.stride_r == 2 and gate.stride_c == up.stride_c
+            and gate.stride_e == up.stride_e)
+
+
 def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs, chunk_tokens,
                      opts):
     """The Triton path: one plan (the forward's, or built again from ids when ``plan`` is empty), windows of
@@ -454,6 +464,10 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
     if fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
         acc32 = [None if v is None else torch.empty((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
                  for v in views[:3]]
+        if _interleaved_gate_up(views):  # the same interleaved [E, d, 2h] layout: one contiguous 2h-wide dW launch
+            h, d = views[0].rows, views[0].cols
+            gate_up = torch.empty((E, d, 2 * h), dtype=torch.float32, device=x.device)
+            acc32[:2] = gate_up[:, :, 0::2].transpose(1, 2), gate_up[:, :, 1::2].transpose(1, 2)
     grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
         *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
     plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))

@@ -27,6 +27,11 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
     _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB;
                         one launch for both, [dW_gate | dW_up][e].T from dA|dB, where up's rows follow gate's
                         in one [E, 2h, d] tensor (Hugging Face's fused gate_up)
+                        (interleaved gate and up, gpt-oss: one launch writing the [d, 2h] gradient of the stored
+                        gate_up_proj contiguously along 2h, dA and dB joined column by column in registers; the dX
+                        above then runs as one contraction over 2h, see expert_fwd; and "recompute" computes A|B
+                        again with the forward's up kernel into the dA|dB buffer, dh then running as under
+                        "activations" in place over it, instead of inside the dh kernel through strided loads)
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order; a window of fewer
                         slots than T over its own tokens only: expert_fwd.combine)
@@ -68,6 +73,7 @@ from .expert_fwd import (
     _grouped_tile_ids,
     _table_ptr,
     _up_sm90_weights,
+    _up_triton,
     _up_weight_mode,
     _window_tile,
     check_expert_inputs,
@@ -82,7 +88,7 @@ from .expert_fwd import (
 )
 from .launch import launch
 from .reference import Activation, DispatchPlan
-from .tables import ExpertTables, WeightTable, table_of
+from .tables import ExpertTables, WeightTable, interleaved_gate_up, table_of
 
 __all__ = ["expert_backward"]
 
@@ -376,6 +382,7 @@ def _expert_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
+    INTERLEAVED: tl.constexpr = False,  # b is dA|dB [.., n_dim]; C's columns interleave them (below)
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     dW[e] = sum over e's slots s in the window of a[token(s)].T @ b[s], the contraction running over the
@@ -388,7 +395,13 @@ def _expert_dw_kernel(
     The gathered operand is always A (tokens' columns along the tile's rows) and the slot-ordered one B:
     a weight gradient whose natural form has the gathered operand on the right (dW_gate = dA.T @ x[tok]) is
     computed transposed, through a transposed output table. With the gathered operand on the right instead, the
-    best tile of that form ran 6-11 % slower (H100, raw launches; docs/dw.md)."""
+    best tile of that form ran 6-11 % slower (H100, raw launches; docs/dw.md).
+
+    INTERLEAVED (gate and up interleaved column by column, tables.interleaved_gate_up): C[e] is the [d, 2h] =
+    [m_dim, n_dim] gradient of the stored gate_up matrix, written with unit column stride, and b the window's dA|dB
+    [.., n_dim] (gate first): C's column 2j is dA's column j, 2j + 1 dB's. A program's BLOCK_N columns take
+    BLOCK_N / 2 columns of dA and of dB (two loads, through b_desc of block [BLOCK_K, BLOCK_N / 2] when TMA),
+    joined in registers."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
@@ -415,7 +428,13 @@ def _expert_dw_kernel(
         offs_m_ld = offs_m
     else:
         offs_m_ld = offs_m % m_dim
-    if EVEN_N:
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    half = n_dim // 2  # INTERLEAVED: h, the columns of dA (and of dB, which follow)
+    if INTERLEAVED:  # columns of dA (and, h further, of dB) whose pairs are this tile's; wrapped ones are dropped
+        offs_n_ld = pid_n * HALF_N + tl.arange(0, HALF_N)
+        if not EVEN_N:
+            offs_n_ld = offs_n_ld % half
+    elif EVEN_N:
         offs_n_ld = offs_n
     else:
         offs_n_ld = offs_n % n_dim
@@ -452,11 +471,23 @@ def _expert_dw_kernel(
         # a program builds no descriptor of its own. One bounded by the segment, built here, cost the three dW
         # launches 4.9 % at C and 2.6 % at D in the layer step: a global write and a proxy fence on the way to
         # the first load (H100; docs/dw.md).
-        tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == BLOCK_N))
+        if INTERLEAVED:
+            tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == HALF_N))
+        else:
+            tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == BLOCK_N))
     for i in range(0, n_full):
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
-        if TMA:
+        if INTERLEAVED:
+            if TMA:
+                b0 = b_desc.load([seg_lo - slot0 + i * BLOCK_K, pid_n * HALF_N])
+                b1 = b_desc.load([seg_lo - slot0 + i * BLOCK_K, half + pid_n * HALF_N])
+            else:
+                b_ptrs = b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n
+                b0 = tl.load(b_ptrs)
+                b1 = tl.load(b_ptrs + half * stride_b_n)
+            b = tl.reshape(tl.join(b0, b1), [BLOCK_K, BLOCK_N])  # column 2j: dA's column j, 2j + 1: dB's
+        elif TMA:
             b = b_desc.load([seg_lo - slot0 + i * BLOCK_K, pid_n * BLOCK_N])
         else:
             b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
@@ -468,8 +499,13 @@ def _expert_dw_kernel(
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m, mask=s_mask[None, :],
                     other=0.0)
         s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
-        b = tl.load(b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n, mask=s_mask[:, None],
-                    other=0.0)
+        b_ptrs = b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n
+        if INTERLEAVED:
+            b0 = tl.load(b_ptrs, mask=s_mask[:, None], other=0.0)
+            b1 = tl.load(b_ptrs + half * stride_b_n, mask=s_mask[:, None], other=0.0)
+            b = tl.reshape(tl.join(b0, b1), [BLOCK_K, BLOCK_N])
+        else:
+            b = tl.load(b_ptrs, mask=s_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
@@ -544,7 +580,7 @@ _expert_dh_act_tuned = autotune.tuned(_expert_dh_kernel, "dh_act", key=["d", "h"
 # False: one fused launch (kept for comparisons; the tests keep it right).
 DH_SPLIT = True
 
-_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA"])
+_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA", "INTERLEAVED"])
 # Keys (m_dim, n_dim, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see _weight_grad.
 _DW_TUNED_KEYS: set[tuple] = set()
@@ -582,22 +618,40 @@ def _gate_up_table(gate: WeightTable, up: WeightTable | None) -> WeightTable | N
     return table_of(g.as_strided((E, 2 * h, c), g.stride()))
 
 
+def _interleaved_grad_table(gate: WeightTable, up: WeightTable | None) -> WeightTable | None:
+    """Where gate's and up's gradients are interleaved column by column (:func:`.tables.interleaved_gate_up`):
+    one table of their [cols, 2h] matrices (gpt-oss's gate_up_proj [E, d, 2h] per expert), unit column stride,
+    through gate's addresses: dW_gate and dW_up are then one dW launch whose output tiles are contiguous along 2h.
+    None otherwise."""
+    if not interleaved_gate_up(gate, up):
+        return None
+    g = gate.dense  # [E, h, c] with strides (., 2, stride_c)
+    E, h, c = g.shape
+    return table_of(g.as_strided((E, c, 2 * h), (g.stride(0), g.stride(2), 1)))
+
+
 def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
-                 accumulate: bool, window: tuple[int, int, int]) -> None:
+                 accumulate: bool, window: tuple[int, int, int], interleaved: bool = False) -> None:
     """dW[e] (+)= sum over e's slots s in the window of tokens[token(s)].T @ slots[s - slot0], written through
-    the table ``out`` ([tokens' columns, slots' columns]). ``window`` = (slot0, slot1, own_end): see the kernel."""
+    the table ``out`` ([tokens' columns, slots' columns]). ``window`` = (slot0, slot1, own_end): see the kernel.
+    ``interleaved``: ``slots`` is dA|dB [.., 2h] and ``out`` the [d, 2h] matrices of interleaved gate and up
+    gradients (:func:`_interleaved_grad_table`), whose column 2j is dA's column j and 2j + 1 dB's."""
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
-    if dw_sm90.usable(tokens, slots, out, table_align(out)):  # sm_90: the Gluon kernel (bitwise the same result)
-        return dw_sm90.dw_sm90(tokens, slots, out, plan, K, accumulate, window)
+    if not interleaved and dw_sm90.usable(tokens, slots, out, table_align(out)):
+        return dw_sm90.dw_sm90(tokens, slots, out, plan, K, accumulate, window)  # sm_90: Gluon (bitwise the same)
     out_fp32 = out.dtype == torch.float32 and tokens.dtype != torch.float32
 
     def grid(meta):
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     tma = _dw_tma(slots)
-    b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]) if tma else slots
+    if interleaved:  # two loads of BLOCK_N / 2 columns (dA's, dB's) per chunk
+        b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"] // 2]) \
+            if tma else slots
+    else:
+        b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]) if tma else slots
 
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
@@ -605,12 +659,12 @@ def _weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: Dispatch
             tokens, slots, b_desc, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             tokens.stride(0), tokens.stride(1), slots.stride(0), slots.stride(1), table.stride_r, table.stride_c,
             OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
-            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype),
+            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype), INTERLEAVED=interleaved,
         )
 
-    # At least as fine as the autotuner's key (m_dim, n_dim, TMA and the operand dtypes): a key coarser than
-    # the tuner's would let an adding launch be the first of a new tuner key, and be timed.
-    key = (m_dim, n_dim, tma, tokens.dtype, slots.dtype, out.dtype)
+    # At least as fine as the autotuner's key (m_dim, n_dim, TMA, INTERLEAVED and the operand dtypes): a key
+    # coarser than the tuner's would let an adding launch be the first of a new tuner key, and be timed.
+    key = (m_dim, n_dim, tma, interleaved, tokens.dtype, slots.dtype, out.dtype)
     adds = accumulate or window[0] > 0  # windows after the first add onto experts started earlier
     if adds and autotune.autotuning() and key not in _DW_TUNED_KEYS:
         # The autotuner runs a kernel many times while timing it: an accumulating launch would add its
@@ -745,7 +799,14 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see the module doc)
     up_sm90 = _up_sm90_weights(w, d, _up_weight_mode(w, x)[1], x) if recompute and dh_sm90 is not None else None
     biased = gate_bias is not None or up_bias is not None
+    # "recompute" with interleaved gate/up weights (gpt-oss): the dh kernel's own recomputation would read them with
+    # a 2-element stride (element-wise gathers); instead the forward's interleaved up kernel computes the window's
+    # A|B again into the dA|dB buffer and dh runs as under "activations", in place over it (as the Gluon path above
+    # does: each A|B element read before it is written, by the program that writes it). Only split: the epilogue
+    # launch (dh_act) has one configuration, never re-run by the tuner over its own output.
+    recompute_up = recompute and DH_SPLIT and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
     grads_gate_up = _gate_up_table(grads.gate, grads.up)  # dW_gate and dW_up as one launch, or None
+    grads_interleaved = _interleaved_grad_table(grads.gate, grads.up)  # likewise, interleaved (gpt-oss)
     for i, win in enumerate(windows):
         s0, s1 = win.slot0, win.slot1
         n = s1 - s0
@@ -767,12 +828,17 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, dpre, dpre, part[bias_rows:],
                                         weights, act)
                 phases = []
+            elif recompute_up:
+                _up_triton(x, w, up, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True,
+                           *_up_weight_mode(w, x))
+                phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
             elif recompute:
                 phases = [(_expert_dh_recompute_tuned, "dh_recompute", 0)]
             elif DH_SPLIT:
                 phases = [(_expert_dh_gemm_tuned, "dh_gemm", 1), (_expert_dh_act_tuned, "dh_act", 2)]
             else:
                 phases = [(_expert_dh_tuned, "dh", 0)]
+            in_dh = recompute and not recompute_up  # A|B recomputed inside the dh kernel
             for tuned_kernel, kind, phase in phases:
                 if phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
                     if gather_sm90.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
@@ -797,8 +863,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     float(act.alpha), float(act.limit),
                     ACT=ACT_CODES[act.name], GATED=act.gated,
                     HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-                    W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
-                    RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
+                    W_ALIGN=table_align(w.down, w.gate, w.up) if in_dh else table_align(w.down),
+                    RECOMPUTE=in_dh, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
                     PHASE=phase,
                 )
             del pre  # may alias dpre: it must not outlive the window
@@ -810,7 +876,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
         if not skip:
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
-            if grads_gate_up is not None:
+            if grads_interleaved is not None:
+                _weight_grad(x, dpre, grads_interleaved, plan, K, accumulate, dw_window, True)  # interleaved
+            elif grads_gate_up is not None:
                 _weight_grad(x, dpre, _transposed(grads_gate_up), plan, K, accumulate, dw_window)
             else:
                 _weight_grad(x, dpre[:, :h], _transposed(grads.gate), plan, K, accumulate, dw_window)

@@ -60,6 +60,14 @@ tensor and the window's rows are 16-byte aligned. The gated up projection withou
 d % 64 == 0 and the weights are row blocks of one tensor. The kernel option ``gluon=False``
 (``config.KernelOptions``) keeps the Triton kernels.
 
+Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0::2, up = 1::2;
+:func:`.tables.interleaved_gate_up` decides from the tables): each role alone is strided by 2 along h, which only
+element-wise loads can read (no descriptor; the Gluon kernels never take them). The up kernel's INTERLEAVED path reads
+each expert's [d, 2h] instead as one matrix, contiguous along 2h (a descriptor over it where its rows are 16-byte
+aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose adjacent columns it splits into A and B; the down kernel's
+INTERLEAVED path (the backward's dX) contracts over 2h with dA and dB joined column by column in registers against
+contiguous [2 * BLOCK_K, BLOCK_N] tiles of it. Saved A|B and the rest of the data flow are the same.
+
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
 with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
 untuned, so the operator may prefer the plain-PyTorch path for fp32.
@@ -79,7 +87,7 @@ from .act import ACT_CODES, _act_forward
 from .autotune import plan_block_m
 from .launch import launch
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
-from .tables import ExpertTables, WeightTable
+from .tables import ExpertTables, WeightTable, interleaved_gate_up
 
 __all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align", "ACT_CODES", "SlotWindow",
            "slot_windows", "num_slot_windows"]
@@ -163,6 +171,48 @@ def _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
     return e, start, first, end
 
 
+@triton.jit
+def _interleaved_up_loop(x_ptrs, w_base, pid_n, d, h, stride_x_d, stride_w_d, W_TMA: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """(A, B) [BLOCK_M, BLOCK_N] fp32 of gate and up columns [pid_n * BLOCK_N, +BLOCK_N) from interleaved weights:
+    B'[k, c] = W[e][c, k] over the expert's [2h, d] matrix of unit row stride at ``w_base`` (column c = 2j is gate's
+    row j, 2j + 1 up's), read one contiguous [BLOCK_K, 2 * BLOCK_N] tile per K step into one accumulator; its
+    adjacent columns are split into A and B at the end. Columns past 2h read as zeros (descriptor) or wrap
+    (pointers; an even number of columns, so a wrapped pair stays a gate/up pair): only dropped outputs see them."""
+    offs_k = tl.arange(0, BLOCK_K)
+    c0 = pid_n * (2 * BLOCK_N)
+    # a descriptor's block spans at most 256 elements a dimension (TMA): wider tiles load through pointers
+    DESC: tl.constexpr = W_TMA if 2 * BLOCK_N <= 256 else 0
+    if DESC:
+        tl.static_assert(DESC == 1)  # the 2h columns are the contiguous axis
+        w_desc = _w_desc(w_base, d, 2 * h, stride_w_d, 1, DESC, BLOCK_K, 2 * BLOCK_N)
+    else:
+        offs_c = c0 + tl.arange(0, 2 * BLOCK_N)
+        if not EVEN_N:
+            offs_c = offs_c % (2 * h)
+        w_ptrs = w_base + offs_c[None, :].to(tl.int64) + offs_k[:, None] * stride_w_d  # [BLOCK_K, 2 * BLOCK_N]
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, d, BLOCK_K):
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+        else:
+            k_mask = offs_k < d - k0
+            xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        if DESC:
+            w = _w_tile(w_desc, k0, c0, DESC)
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(xa, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_x_d
+        if not DESC:
+            w_ptrs += BLOCK_K * stride_w_d
+    acc_a, acc_b = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    return acc_a, acc_b
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +249,16 @@ def _expert_up_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,  # gate and up interleaved column by column (tables.interleaved_gate_up)
 ):
     """grid = (num_tiles * cdiv(h, BLOCK_N),): one BLOCK_M x BLOCK_N tile of A (and of B) per program, over
-    the row tiles of the slot window [slot0, slot1) (num_tiles: a bound on their count)."""
+    the row tiles of the slot window [slot0, slot1) (num_tiles: a bound on their count).
+
+    INTERLEAVED: gate's row j and up's row j are rows 2j and 2j + 1 of one [2h, d] matrix per expert with unit row
+    stride (gpt-oss's gate_up_proj [E, d, 2h], read in place through the gate table; stride_wg_n is 2). The
+    program multiplies by one contiguous [BLOCK_K, 2 * BLOCK_N] tile of its transpose per K step (a descriptor
+    when W_TMA, which is then 1) into one [BLOCK_M, 2 * BLOCK_N] accumulator, and splits its adjacent columns into
+    A and B; the epilogue is the same."""
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
     e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
@@ -222,45 +279,50 @@ def _expert_up_kernel(
     x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
     w_ty = x_ptr.dtype.element_ty
     wg_base = _table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
-    if GATED:
-        wu_base = _table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
-    if W_TMA:  # B[k, n] = W[e][n, k]; columns past h and k past d read as zeros
-        wg_desc = _w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
-        if GATED:
-            wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
+    if INTERLEAVED:
+        acc_a, acc_b = _interleaved_up_loop(x_ptrs, wg_base, pid_n, d, h, stride_x_d, stride_wg_d, W_TMA,
+                                            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N)
     else:
-        wg_ptrs = wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d  # [BK, BN]
         if GATED:
-            wu_ptrs = wu_base + offs_n_ld[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d
+            wu_base = _table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+        if W_TMA:  # B[k, n] = W[e][n, k]; columns past h and k past d read as zeros
+            wg_desc = _w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
+            if GATED:
+                wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
+        else:
+            wg_ptrs = (wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n
+                       + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
+            if GATED:
+                wu_ptrs = wu_base + offs_n_ld[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d
 
-    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, d, BLOCK_K):
-        if EVEN_K:
-            xa = tl.load(x_ptrs)
-        else:
-            k_mask = offs_k < d - k0
-            xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        if W_TMA:
-            wg = _w_tile(wg_desc, k0, pid_n * BLOCK_N, W_TMA)
+        acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+            else:
+                k_mask = offs_k < d - k0
+                xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            if W_TMA:
+                wg = _w_tile(wg_desc, k0, pid_n * BLOCK_N, W_TMA)
+                if GATED:
+                    wu = _w_tile(wu_desc, k0, pid_n * BLOCK_N, W_TMA)
+            elif EVEN_K:
+                wg = tl.load(wg_ptrs)
+                if GATED:
+                    wu = tl.load(wu_ptrs)
+            else:
+                wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                if GATED:
+                    wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
             if GATED:
-                wu = _w_tile(wu_desc, k0, pid_n * BLOCK_N, W_TMA)
-        elif EVEN_K:
-            wg = tl.load(wg_ptrs)
-            if GATED:
-                wu = tl.load(wu_ptrs)
-        else:
-            wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-            if GATED:
-                wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-        acc_a = tl.dot(xa, wg, acc_a, input_precision=DOT_PRECISION)
-        if GATED:
-            acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_x_d
-        if not W_TMA:
-            wg_ptrs += BLOCK_K * stride_wg_d
-            if GATED:
-                wu_ptrs += BLOCK_K * stride_wu_d
+                acc_b = tl.dot(xa, wu, acc_b, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_d
+            if not W_TMA:
+                wg_ptrs += BLOCK_K * stride_wg_d
+                if GATED:
+                    wu_ptrs += BLOCK_K * stride_wu_d
 
     e64 = e.to(tl.int64)
     if HAS_GATE_BIAS:
@@ -324,6 +386,49 @@ def _row_tile_k_loop(acc, a_ptrs, b_base, b_host, e, offs_n_ld, n0, k_dim, n_dim
     return acc
 
 
+@triton.jit
+def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_n,
+                        B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += A0 @ B0 + A1 @ B1 with A0 = A[:, :k_dim], A1 = A[:, k_dim:2k_dim] and B0, B1 the even and odd rows
+    of one [2 k_dim, n_dim] matrix B of unit row stride at ``b_base`` (interleaved gate and up weights): per K
+    step one contiguous [2 BLOCK_K, BLOCK_N] tile of B against A0's and A1's [BLOCK_M, BLOCK_K] tiles joined
+    column by column into [BLOCK_M, 2 BLOCK_K]. B's tiles through pointers (columns ``offs_n_ld``) or, with
+    B_TMA (then 2: k contiguous), a descriptor built here; rows past 2 k_dim read as zeros or are masked."""
+    BLOCK_M: tl.constexpr = a_ptrs.shape[0]
+    offs_k = tl.arange(0, BLOCK_K)
+    # a descriptor's block spans at most 256 elements a dimension (TMA): deeper tiles load through pointers
+    DESC: tl.constexpr = B_TMA if 2 * BLOCK_K <= 256 else 0
+    if DESC:
+        tl.static_assert(DESC == 2)
+        b_desc = _w_desc(b_base, 2 * k_dim, n_dim, 1, stride_b_n, DESC, 2 * BLOCK_K, BLOCK_N)
+    else:
+        offs_kk = tl.arange(0, 2 * BLOCK_K)
+        b_ptrs = b_base + offs_kk[:, None] + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [2 BK, BN]
+    a1_ptrs = a_ptrs + k_dim * stride_a_k
+    for k0 in range(0, k_dim, BLOCK_K):
+        if EVEN_K:
+            a0 = tl.load(a_ptrs)
+            a1 = tl.load(a1_ptrs)
+        else:
+            k_mask = offs_k < k_dim - k0
+            a0 = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            a1 = tl.load(a1_ptrs, mask=k_mask[None, :], other=0.0)
+        a = tl.reshape(tl.join(a0, a1), [BLOCK_M, 2 * BLOCK_K])  # column 2j: A0's j, 2j + 1: A1's j
+        if DESC:
+            b = _w_tile(b_desc, 2 * k0, n0, DESC)
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=(offs_kk < 2 * (k_dim - k0))[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_k
+        a1_ptrs += BLOCK_K * stride_a_k
+        if not DESC:
+            b_ptrs += 2 * BLOCK_K
+    return acc
+
+
 @triton.heuristics({
     "EVEN_K": lambda a: a["k_dim"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
@@ -351,10 +456,15 @@ def _expert_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     B_HOST: tl.constexpr = False,  # B_TMA through b0_desc / b1_desc, not descriptors built per program
+    INTERLEAVED: tl.constexpr = False,  # B0, B1: the even and odd rows of one [2 k_dim, n_dim] matrix (below)
 ):
     """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e in the slot window
     [slot0, slot1), C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e]);
-    rows index the window's buffers from slot0."""
+    rows index the window's buffers from slot0.
+
+    INTERLEAVED (dX through interleaved gate and up weights, tables.interleaved_gate_up; TWO_B is then False and
+    B_HOST too): B0[e] and B1[e] are rows 0::2 and 1::2 of one [2 k_dim, n_dim] matrix of unit row stride at
+    b0_table_ptr's address (stride_b0_n along n), contracted in one K loop (:func:`_interleaved_k_loop`)."""
     pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
     e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
@@ -375,9 +485,14 @@ def _expert_down_kernel(
     n0 = pid_n * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0, k_dim,
-                           n_dim, stride_a_k, stride_b0_k, stride_b0_n, B_TMA, B_HOST, DOT_PRECISION, BLOCK_K, BLOCK_N,
-                           EVEN_K)
+    if INTERLEAVED:
+        tl.static_assert(not TWO_B and not B_HOST)
+        acc = _interleaved_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim,
+                                  n_dim, stride_a_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
+    else:
+        acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0,
+                               k_dim, n_dim, stride_a_k, stride_b0_k, stride_b0_n, B_TMA, B_HOST, DOT_PRECISION,
+                               BLOCK_K, BLOCK_N, EVEN_K)
     if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
         acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN), b1_desc,
                                e, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA, B_HOST,
@@ -493,8 +608,10 @@ def _expert_combine_window_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up", key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA"])
-_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down", key=["n_dim", "k_dim", "TWO_B", "B_TMA"])
+_expert_up_tuned = autotune.tuned(_expert_up_kernel, "up",
+                                  key=["d", "h", "SAVE_PREACT", "ACT", "W_TMA", "INTERLEAVED"])
+_expert_down_tuned = autotune.tuned(_expert_down_kernel, "down",
+                                    key=["n_dim", "k_dim", "TWO_B", "B_TMA", "INTERLEAVED"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -696,10 +813,19 @@ class DownOperand(NamedTuple):
     descs: tuple  # host tensor descriptors of B0, B1 when ``host``, else placeholders
     host: bool
     sm90: "down_sm90.Sm90Weights | None"  # the Gluon kernel's view of B0, B1 when it may take the launches
+    # B0, B1 interleaved (tables.interleaved_gate_up): one [2k, n] matrix of unit row stride through B0's table
+    interleaved: bool = False
 
 
 def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim: int, x: Tensor) -> DownOperand:
     """Resolve the down kernel's B operand (see :class:`DownOperand`) for inputs like ``x``."""
+    if b1 is not None and k_is_rows and interleaved_gate_up(b0, b1):
+        # dX through gpt-oss's gate_up_proj: one contraction over 2k (k contiguous: descriptor mode 2 or pointers)
+        align = table_align(b0)
+        mode = weight_tma_mode([(1, b0.stride_c)], align, x.element_size(), x.device) if k_dim > 0 else 0
+        mode = mode if mode == 2 else 0
+        return DownOperand((b0.ptrs, b0.ptrs), (1, b0.stride_c, 1, b0.stride_c), False, align, mode,
+                           (b0.ptrs, b0.ptrs), False, None, True)
     tables = [b0, b1] if b1 is not None else [b0, b0]
     kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
     align = table_align(b0, b1)
@@ -735,7 +861,7 @@ def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: Dispat
         plan.tile_expert, plan.tile_start, window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0,
         window.slot1, n_dim, k_dim, a.stride(0), a.stride(1), *b.strides, out.stride(0), out.stride(1),
         TWO_B=b.two_b, HAS_BIAS=bias is not None, B_ALIGN=b.align, B_TMA=b.mode, B_HOST=b.host,
-        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
+        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(), INTERLEAVED=b.interleaved,
     )
     return out
 
@@ -880,7 +1006,12 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
 
 def _up_weight_mode(w: ExpertTables, x: Tensor) -> tuple[int, int]:
     """The up projection's weights' proven alignment and descriptor mode (:func:`weight_tma_mode`): W_gate and W_up,
-    W_gate alone when not gated."""
+    W_gate alone when not gated; with interleaved gate and up (:func:`.tables.interleaved_gate_up`), those of the
+    [2h, d] matrices through the gate table (mode 1, the 2h columns contiguous, or 0)."""
+    if interleaved_gate_up(w.gate, w.up):
+        align = table_align(w.gate)
+        mode = weight_tma_mode([(w.gate.stride_c, 1)], align, x.element_size(), x.device)
+        return align, mode if mode == 1 else 0
     align = table_align(w.gate, w.up)
     tables = (w.gate, w.up if w.up is not None else w.gate)
     return align, weight_tma_mode([(t.stride_c, t.stride_r) for t in tables], align, x.element_size(), x.device)
@@ -889,8 +1020,8 @@ def _up_weight_mode(w: ExpertTables, x: Tensor) -> tuple[int, int]:
 def _up_sm90_weights(w: ExpertTables, d: int, mode: int, x: Tensor) -> "gather_sm90.GatherWeights | None":
     """The Gluon up kernel's view of W_gate and W_up (B[e][k, n] = W[e][n, k]), or None where it cannot take
     them (see :func:`.gather_sm90.up_weights`)."""
-    if not (x.is_cuda and mode and w.up is not None):
-        return None
+    if not (x.is_cuda and mode and w.up is not None) or interleaved_gate_up(w.gate, w.up):
+        return None  # (the Gluon kernel reads two [h, d] matrices, not one interleaved [2h, d])
     return gather_sm90.up_weights(_desc_view(w.gate, False, mode), _desc_view(w.up, False, mode), mode == 2, d)
 
 
@@ -916,4 +1047,5 @@ def _up_triton(x: Tensor, w: ExpertTables, up: WeightTable, gate_bias: Tensor | 
         HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
         W_ALIGN=align, W_TMA=w_tma,
         SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
+        INTERLEAVED=interleaved_gate_up(w.gate, w.up),
     )

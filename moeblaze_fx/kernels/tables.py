@@ -29,7 +29,8 @@ from torch import Tensor
 
 from .reference import ExpertParams
 
-__all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "table_of_addresses", "tables_of"]
+__all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "table_of_addresses", "tables_of",
+           "interleaved_gate_up"]
 
 
 class WeightTable(NamedTuple):
@@ -61,6 +62,22 @@ class ExpertTables(NamedTuple):
     gate: WeightTable
     up: WeightTable | None
     down: WeightTable
+
+
+def interleaved_gate_up(gate: WeightTable, up: WeightTable | None) -> bool:
+    """Whether gate and up are interleaved column by column in one ``[.., 2h]`` row per input column (gpt-oss's
+    ``gate_up_proj [E, d, 2h]``: gate = columns 0::2, up = 1::2): both tables views of one tensor with the same
+    strides, a row stride of 2 elements, up's matrices one element after gate's. Then each expert's gate and up
+    rows form one ``[2h, cols]`` matrix with unit row stride (row 2j gate's row j, row 2j + 1 up's), which the
+    kernels' INTERLEAVED paths read (and, for gradients, write) as one contiguous 2h-wide matrix instead of two
+    strided ones (element-wise gathers, no tensor descriptor)."""
+    if up is None or gate.dense is None or up.dense is None or gate.dtype != up.dtype:
+        return False
+    g, u = gate.dense, up.dense
+    E, h, c = g.shape
+    return (u.shape == g.shape and u.stride() == g.stride() and h > 0 and g.stride(1) == 2
+            and (c <= 1 or g.stride(2) >= 2 * h)  # the [2h, c] matrices do not overlap themselves
+            and u.data_ptr() == g.data_ptr() + g.element_size())
 
 
 def table_of(w: Tensor) -> WeightTable:
