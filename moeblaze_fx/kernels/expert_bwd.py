@@ -876,7 +876,10 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
         if not skip:
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
-            if grads_interleaved is not None:
+            # On a GPU the interleaved dW runs only where dA|dB's rows take a descriptor: its pointer form crashes
+            # Triton 3.6's TritonGPUOptimizeDotOperands pass on sm_90 (h = 90, H100, 2026-11-27); the interpreter
+            # runs that form (the CPU tests' path), and elsewhere gate and up take the strided launches below.
+            if grads_interleaved is not None and (_dw_tma(dpre) or not dpre.is_cuda):
                 _weight_grad(x, dpre, grads_interleaved, plan, K, accumulate, dw_window, True)  # interleaved
             elif grads_gate_up is not None:
                 _weight_grad(x, dpre, _transposed(grads_gate_up), plan, K, accumulate, dw_window)

@@ -354,7 +354,10 @@ def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slot
     assert windows == (3 if window_slots else 1)  # 2800 slots in windows of 1024
     ups = 2 if policy == "recompute" else 1  # two runs of forward and backward
     assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (2 * ups * windows)
-    assert seen.count(("down", True, False)) == seen.count(("dw", True, None)) == 2 * windows
+    assert seen.count(("down", True, False)) == 2 * windows
+    # dW interleaved where dA|dB's rows (2h bf16) are 16-byte aligned for a descriptor; else gate and up strided
+    aligned = (2 * h * 2) % 16 == 0
+    assert seen.count(("dw", True, None)) == (2 * windows if aligned else 0)
 
 
 @pytest.mark.cuda
