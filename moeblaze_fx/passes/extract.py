@@ -486,7 +486,7 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     )
 
 
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COMPUTE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # the operator's dtypes
 
 
 def compute_dtype(cand: Candidate, default: torch.dtype) -> torch.dtype:
