@@ -91,6 +91,8 @@ def _own_precision(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         device = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+        if not torch.is_autocast_enabled(device):  # the usual case: no context to enter on every call
+            return fn(*args, **kwargs)
         with torch.autocast(device, enabled=False):
             return fn(*args, **kwargs)
     return run

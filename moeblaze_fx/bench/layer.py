@@ -662,24 +662,17 @@ def host_label(device: torch.device) -> str:
     return "host ms: CUDA only (on the CPU the step's wall time is the ms column)"
 
 
-def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0,
-                    host_ms: Optional[list[float]] = None) -> list[float]:
+def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0) -> list[float]:
     """Each of ``reps`` steps' time in ms (``step(first)``, ``step(first + 1)``, ...): CUDA events, the L2 flushed
-    before each step, the steps enqueued back to back. ``host_ms``: appended the host's ms from each step's start
-    to the next's."""
+    before each step, the steps enqueued back to back (the host's time: ``timing.host_enqueue_ms``)."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    clock = []
     for i in range(reps):
         flush.zero_()
-        clock.append(time.perf_counter())
         starts[i].record()
         step(first + i)
         ends[i].record()
-    clock.append(time.perf_counter())
-    if host_ms is not None:
-        host_ms.extend((b - a) * 1e3 for a, b in zip(clock, clock[1:]))
     torch.cuda.synchronize(device)
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
@@ -1131,7 +1124,9 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
         with torch.no_grad():
             ids, _ = route(inputs.pool[0][0], inputs.w_router, cfg.K)
         # The tile-quantization waste of this shape's routing, once and outside every timed region.
-        tiles = tile_quantization(ids, cfg.E, _plan_block_m(device))
+        from ..ops import plan_block_m
+
+        tiles = tile_quantization(ids, cfg.E, plan_block_m(device, dtype=dtype))
         if check and (check_max_tokens is None or cfg.T <= check_max_tokens):
             try:
                 ref = compute_reference(inputs, ids, _reference_chunk(cfg, device))
@@ -1164,12 +1159,6 @@ def _run_config(cfg, section, active, built, device, dtype, warmup, reps, check,
     del inputs, ref
     free_memory(device)
     return rows
-
-
-def _plan_block_m(device: torch.device) -> int:
-    from ..ops import plan_block_m
-
-    return plan_block_m(device)
 
 
 def run_dispatch(device: torch.device) -> Any:

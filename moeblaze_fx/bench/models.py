@@ -27,7 +27,8 @@ as torchtitan and FSDP2 training scripts do; embedding, final norm, LM head and 
 
 Per row: the median step time of ``reps`` steps after ``warmup`` (CUDA events, L2 flushed before each step, the
 steps enqueued back to back; the CPU's wall clock otherwise) with the step count and spread (``timing``), the
-host's time per step on CUDA (from one step's start to the next one's, no synchronisation inside), the peak
+host's time to enqueue one step on CUDA (``timing.host_enqueue_ms``: each step started on an idle GPU, no
+synchronisation inside), the peak
 allocation of one step above the state before it (CUDA), the first call's time (compile included), the MoE
 regions rewritten (``torch._dynamo.utils.counters["moeblaze"]`` over the provider's compiles, beside the number of
 experts modules in the model, and the graphs Dynamo compiled) and the loss's relative difference from eager's on
@@ -186,8 +187,8 @@ def build_config(family: str, *, layers: int = 2, tiny: bool = False, overrides:
     if cls is None:
         raise RuntimeError(f"{family}: this transformers ({transformers.__version__}) has no {fam.config_class}; "
                            "upgrade transformers")
-    kwargs = {**fam.config_kwargs(tiny), **(_TINY_TOKENS if tiny else {}), "num_hidden_layers": layers, "use_cache": False, "tie_word_embeddings": False,
-              "attention_dropout": 0.0, **(overrides or {})}
+    kwargs = {**fam.config_kwargs(tiny), **(_TINY_TOKENS if tiny else {}), "num_hidden_layers": layers,
+              "use_cache": False, "tie_word_embeddings": False, "attention_dropout": 0.0, **(overrides or {})}
     return cls(**kwargs)
 
 

@@ -145,7 +145,7 @@ if _GLUON:
             e, start, first, end, pid_n = _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr,
                                                 offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
-                # Without the fact, ptxas serializes every wgmma (H100; docs/down.md).
+                # Without the fact, ptxas serializes every wgmma (H100; docs/kernels.md).
                 gl.assume(steps > 0)
                 acc = gl.zeros([BM, BN], gl.float32, layout=mma)
                 for k in range(steps):

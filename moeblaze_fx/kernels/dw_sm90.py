@@ -161,7 +161,7 @@ if _GLUON:
             if write:
                 out_e = gl.multiple_of(gl.load(out_table_ptr + e).to(gl.pointer_type(dtype)), 16)
                 if n_k > 0:
-                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/down.md)
+                    gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/kernels.md)
                     if MAY_ADD:  # start from the stored value where adding (zeros elsewhere), as the Triton kernel
                         rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
                         cn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))

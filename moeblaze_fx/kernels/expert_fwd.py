@@ -68,9 +68,9 @@ aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose adjacent columns it 
 INTERLEAVED path (the backward's dX) contracts over 2h with dA and dB joined column by column in registers against
 contiguous [2 * BLOCK_K, BLOCK_N] tiles of it. Saved A|B and the rest of the data flow are the same.
 
-Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation). fp32 is accepted and computed
-with IEEE fp32 dots (no tf32), which is what the interpreter tests use; on CUDA it is correct but
-untuned, so the operator may prefer the plain-PyTorch path for fp32.
+Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp32 is computed with IEEE fp32 dots
+(no tf32), which is what the interpreter tests use; on CUDA the operator runs it with one fixed configuration
+(``autotune.FLOAT32_CONFIG``), never on the Gluon kernels.
 """
 from __future__ import annotations
 

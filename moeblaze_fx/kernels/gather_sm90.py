@@ -313,7 +313,7 @@ if _GLUON:
             e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
-                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/down.md)
+                gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/kernels.md)
                 if ACT_EPI:  # this tile's routing weights, loaded while its K loop runs
                     gl.static_assert(NR == 4)
                     w0 = _dh_act_weights(epi, start, 0, first, end, K, RB, wl)

@@ -285,8 +285,8 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             candidates.remove(cand)  # group-limited routing's top-k of groups: it masks what the experts' top-k picks
             continue
         cand.output = out
-        if _collectives(body):  # judged by structure: the proof would run them, on this rank only
-            cand.reason = _collective_reason(_collectives(body))
+        if collectives := _collectives(body):  # judged by structure: the proof would run them, on this rank only
+            cand.reason = _collective_reason(collectives)
             continue
         capacity = _capacity_bound(body)
         if capacity is not None:
@@ -294,8 +294,8 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             continue
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
         _push_out_weights(body, ids)
-        if _collectives(body):  # pulled in with the support
-            cand.reason = _collective_reason(_collectives(body))
+        if collectives := _collectives(body):  # pulled in with the support
+            cand.reason = _collective_reason(collectives)
             continue
         mutation = _update_of_read(body, ids, out, asserts, order)
         if mutation is not None:

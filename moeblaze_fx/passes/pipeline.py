@@ -168,8 +168,8 @@ def _subgraph_calls(work: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
 def _local_parameters(graph: fx.Graph, params: set[fx.Node], real: dict[fx.Node, Any],
                       name_of: dict[fx.Node, str]) -> None:
     """A DTensor parameter unwrapped in forward (``w.to_local()``, torchtitan's experts under TP/EP), or a flat
-    ``[E*h, d]`` parameter viewed per expert, is an expert parameter in that form: the region reads the local tensor, the operator is given it, and its gradient
-    reaches the DTensor through ``to_local``'s backward. (The DTensor itself cannot be run by the proof: its storage
+    ``[E*h, d]`` parameter viewed per expert, is an expert parameter in that form: the region reads the local tensor,
+    the operator is given it, and its gradient reaches the DTensor through ``to_local``'s backward. (The DTensor itself cannot be run by the proof: its storage
     is not a plain tensor's.)"""
     for node in graph.nodes:
         if not (node.op == "call_method" and node.args and node.args[0] in params):
@@ -294,7 +294,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
             record.saved_bytes_after = saved_bytes_after(
                 t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
                 example_value(ext.weights).element_size(), policy, act.gated, ext.E,
-                plan_block_m(x_val.device, cfg.kernels, x_val.dtype) if use_triton(x_val) else None,
+                plan_block_m(x_val.device, cfg.kernels, ext.dtype) if use_triton(x_val.to(ext.dtype)) else None,
             ) + (t_hint * ext.d * itemsize if routing.on_input else 0)  # the weighted tokens the operator keeps
         else:  # neither graph saves anything (the proof's meter ran with gradients on)
             record.saved_bytes_before = record.saved_bytes_after = 0

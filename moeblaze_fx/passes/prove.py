@@ -213,10 +213,11 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     # no backward will run (the region's own backward may not even be recorded then): the forward alone is compared
     forward_only = not traced_with_gradients(cand)
     best: Optional[Proof] = None
+    wide = torch.promote_types(ext.dtype, torch.float32)  # a mixed region is judged in float32 (float64 stays)
     with torch.enable_grad():
         stacked = [torch.stack(vals) if role.stacked else vals[0] for role, vals in zip(ext.roles, param_values)]
         if mixed:
-            stacked = [v.float() for v in stacked]
+            stacked = [v.to(wide) for v in stacked]
         for layout, act, routing in itertools.product(ext.layouts, ext.activations, ext.routings):
             if act.gated != (layout.up is not None):
                 continue
@@ -224,7 +225,7 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
 
             def reference(x):
                 """The operator's function of the tokens, under this hypothesis (called within this iteration)."""
-                xr, wr = routing.apply(x.float() if mixed else x, w2d)
+                xr, wr = routing.apply(x.to(wide) if mixed else x, w2d)
                 # the region runs under the autocast it was traced in (as it will run); the reference never does
                 with torch.autocast(device.type, enabled=False):
                     return moe_ffn_reference(xr, ids2d, wr, experts, act)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 
 import expecttest
@@ -123,24 +122,18 @@ class ExpertParallelMoE(torch.nn.Module):
         return (unsorted.view(-1, K, D) * w.unsqueeze(-1)).sum(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _rank_main(rank: int, port: int, collectives: str, dtype: torch.dtype, results) -> None:
+def _rank_main(rank: int, store: str, collectives: str, dtype: torch.dtype, results) -> None:
     """One rank: compile the expert-parallel block, run forward and backward, compare with the single-process
     reference on this rank's tokens, and send back what the report said."""
     try:
         import moeblaze_fx  # noqa: F401  (registers the backend's ops)
         from moeblaze_fx.report import last_report
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         weights = {k: v.to(dtype) for k, v in _weights().items()}
         model = ExpertParallelMoE(weights, rank, WORLD, collectives)
@@ -183,14 +176,14 @@ def _rank_main(rank: int, port: int, collectives: str, dtype: torch.dtype, resul
 # ranks' compile-time proofs fell out of step first (issue 40)
 @pytest.mark.parametrize("collectives", ["functional", "c10d"],
                          ids=["functional_all_to_all", "dist_all_to_all_counts"])
-def test_expert_parallel_block_is_left_alone_on_every_rank(collectives, dtype):
+def test_expert_parallel_block_is_left_alone_on_every_rank(collectives, dtype, tmp_path):
     """torch.distributed.all_to_all_single (in place, for the counts) is traced by Dynamo as the functional
     collective plus a copy_; torch.distributed.nn.functional's autograd one raises under torch.compile on torch 2.13,
     so the tokens always take the functional autograd collective."""
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, collectives, dtype, results), daemon=True)
+    store = str(tmp_path / "store")  # a file store: no port to race for with other test processes
+    procs = [ctx.Process(target=_rank_main, args=(r, store, collectives, dtype, results), daemon=True)
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -242,8 +235,8 @@ class TestGolden(expecttest.TestCase):
         torch.compile(WaitInTheExperts(), backend="moeblaze", fullgraph=True, options={"inductor": False})(_tokens(0))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.report.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
-  [0] skipped   tests/distributed/test_expert_parallel.py:236  -
-      reason: expert-parallel dispatch inside the region: it holds 4 collective or opaque op(s) (_c10d_functional::wait_tensor; first at tests/distributed/test_expert_parallel.py:234), which are never run at compile time (every rank must run them alike), so the region is left alone. The local expert computation between the all-to-alls is not rewritten yet, and nothing in the model can change that: the block runs as compiled without the operator""")
+  [0] skipped   tests/distributed/test_expert_parallel.py:229  -
+      reason: expert-parallel dispatch inside the region: it holds 4 collective or opaque op(s) (_c10d_functional::wait_tensor; first at tests/distributed/test_expert_parallel.py:227), which are never run at compile time (every rank must run them alike), so the region is left alone. The local expert computation between the all-to-alls is not rewritten yet, and nothing in the model can change that: the block runs as compiled without the operator""")
 
 
 def test_collective_in_region_is_never_proven():
