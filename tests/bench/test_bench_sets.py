@@ -8,6 +8,7 @@ import torch
 
 from moeblaze_fx.bench import cli, layer, timing
 from moeblaze_fx.bench.layer import LayerConfig, Provider
+from moeblaze_fx.ops import plan_block_m
 
 CPU = torch.device("cpu")
 
@@ -148,7 +149,7 @@ def test_a_set_shape_gets_the_sonic_table_and_its_routings_waste():
         ("plain", "loop", None), ("plain", "moeblaze-activations", None)]
     inputs = layer.make_inputs(cfg, CPU, torch.float32, 0)
     ids, _ = layer.route(inputs.pool[0][0], inputs.w_router, cfg.K)
-    bm = layer._plan_block_m(CPU)
+    bm = plan_block_m(CPU, dtype=torch.float32)  # the plan the operator builds for this run
     counts = torch.bincount(ids.reshape(-1), minlength=cfg.E).tolist()
     expected = sum(-(-c // bm) * bm for c in counts)
     for r in rows[:2]:
