@@ -21,9 +21,12 @@ separate per-expert tensors (``ModuleList`` experts). Nothing is stacked or copi
 the weights through per-expert pointer tables and write the weight gradients straight into storage
 of each parameter's own layout.
 
-AOTAutograd saves for ``moeblaze::moe_ffn_backward`` exactly x, the ids, the routing weights, the
-forward's plan (two int32 per pair, Triton path) and, under the default policy, the pre-activations; the
-PyTorch path rebuilds its plans in backward by the same deterministic dispatch. ``chunk_tokens`` (0: no
+AOTAutograd saves for the backward exactly x, the ids, the routing weights, the forward's plan (two int32 per
+pair, Triton path) and, under the default policy, the pre-activations; the PyTorch path rebuilds its plans in
+backward by the same deterministic dispatch. The backward is ``moeblaze::moe_ffn_backward``, or, on the Triton path
+with one slot window under "activations", its two halves ``moe_ffn_backward_act`` (dA|dB, dweights, the down
+projection's gradients) and ``moe_ffn_backward_dx`` (dx, the gate|up gradients), so that the saved pre-activations
+are freed before the gate|up gradient is allocated (see "The split backward" below). ``chunk_tokens`` (0: no
 bound) bounds the operator's transient buffers. The Triton path builds one plan and runs its
 expert-sorted slots in windows of ``chunk_tokens * K`` slots: each expert's weights are read by the
 windows its slots fall in (not by every window), its weight gradient is written by the window where its
@@ -348,11 +351,13 @@ def _groups(num_params: int, views: Sequence[RoleView | None], E: int) -> list[t
     return groups
 
 
-def _grad_buffers(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) -> dict[int, Tensor]:
-    """One gradient buffer per group (keyed by its first parameter), in each parameter's own strides
-    (stacked for a per-expert group); zeroed where the roles leave elements uncovered."""
+def _grad_buffers(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int,
+                  groups: Sequence[tuple[int, int]] | None = None) -> dict[int, Tensor]:
+    """One gradient buffer per group (keyed by its first parameter; ``groups``: those of :func:`_groups`, or a part
+    of them), in each parameter's own strides (stacked for a per-expert group); zeroed where the roles leave
+    elements uncovered."""
     bufs = {}
-    for first, count in _groups(len(params), views, E):
+    for first, count in (_groups(len(params), views, E) if groups is None else groups):
         p = params[first]
         covered = sum(v.numel(E) if v.count == 1 else v.rows * v.cols * count
                       for v in views if v is not None and v.first == first)
@@ -360,6 +365,17 @@ def _grad_buffers(params: Sequence[Tensor], views: Sequence[RoleView | None], E:
         buf = torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device)
         bufs[first] = buf.zero_() if covered < buf.numel() else buf
     return bufs
+
+
+def _once(make):
+    """A function returning ``make()``, called on its first call only."""
+    made = []
+
+    def get():
+        if not made:
+            made.append(make())
+        return made[0]
+    return get
 
 
 def _grad_role(bufs: dict[int, Tensor], v: RoleView, E: int) -> Tensor:
@@ -420,11 +436,11 @@ def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, c
         raise ValueError(f"moeblaze.moe_ffn_backward: plan must be the forward's {len(DispatchPlan._fields)} int32 "
                          f"tensors (or [] to dispatch again); got {[(tuple(t.shape), t.dtype) for t in plan]}")
     grad_y = grad_y.contiguous()
-    bufs = _grad_buffers(params, views, E)
     experts = _expert_weights(x, params, views, E)
     if isinstance(experts, _KernelWeights):
-        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs,
-                                chunk_tokens, opts)
+        return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan,
+                                _once(lambda: _grad_buffers(params, views, E)), chunk_tokens, opts)
+    bufs = _grad_buffers(params, views, E)
     chunks = _chunks(T, chunk_tokens)  # the PyTorch path: a plan per chunk, built again
     dx = x.new_empty(x.shape) if len(chunks) > 1 else None
     dweights = weights.new_empty(weights.shape) if len(chunks) > 1 else None
@@ -451,10 +467,11 @@ def _interleaved_gate_up(views: Sequence[RoleView | None]) -> bool:
 
 
 def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan, bufs, chunk_tokens,
-                     opts):
+                     opts, phase="all", dpre=None):
     """The Triton path: one plan (the forward's, or built again from ids when ``plan`` is empty), windows of
     chunk_tokens * K slots. Weight gradients are written through
-    tables straight into ``bufs``; over more than two windows, into float32 buffers first when those cost
+    tables straight into ``bufs()`` (a function allocating the gradient buffers on its first call, made when the
+    kernels reach their first weight-gradient launch); over more than two windows, into float32 buffers first when those cost
     less than one window's transients (an expert spanning several windows is added to once per window:
     in float32 there, else in place in the parameters' dtype)."""
     fwd, bwd, tables = _triton_kernels()[1:4]
@@ -463,27 +480,41 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
     weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
     window_bytes = window_slots * _slot_bytes(x.shape[1], views[0].rows, act.gated, x.element_size())
     acc32 = None
-    if fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
+    if phase == "all" and fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
         acc32 = [None if v is None else torch.empty((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
                  for v in views[:3]]
         if _interleaved_gate_up(views):  # the same interleaved [E, d, 2h] layout: one contiguous 2h-wide dW launch
             h, d = views[0].rows, views[0].cols
             gate_up = torch.empty((E, d, 2 * h), dtype=torch.float32, device=x.device)
             acc32[:2] = gate_up[:, :, 0::2].transpose(1, 2), gate_up[:, :, 1::2].transpose(1, 2)
-    grad_tables = tables.tables_of(ExpertParams(*acc32) if acc32 is not None else ExpertParams(
-        *[None if v is None else _grad_role(bufs, v, E) for v in views[:3]]))
+    written = bwd.PHASE_ROLES[phase]  # the roles whose gradients this call writes
+
+    def grad_tables():  # called by the kernels just before their first weight-gradient launch
+        dense = acc32 or [None if v is None or role not in written else _grad_role(bufs(), v, E)
+                          for role, v in zip(ROLES, views[:3])]
+        return tables.ExpertTables(*[None if g is None else tables.table_of(g) for g in dense])
+
     plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
-    dx, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act, *experts.biases,
-                                               grads=grad_tables, recompute=recompute,
-                                               window_slots=window_slots)
+    out, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act,
+                                                *experts.biases, grads=grad_tables, recompute=recompute,
+                                                window_slots=window_slots, phase=phase, dpre=dpre)
     for v, g in zip(views[3:], dbias):
-        if v is not None:
-            _store_role(bufs, v, E, g, False)
+        if v is not None and g is not None:
+            _store_role(bufs(), v, E, g, False)
     if acc32 is not None:
         for v, g in zip(views[:3], acc32):
             if v is not None:
-                _store_role(bufs, v, E, g, False)
-    return dx, dweights, list(bufs.values())
+                _store_role(bufs(), v, E, g, False)
+    return out, dweights, list(bufs().values())
+
+
+def _fake_grads(params: Sequence[Tensor], groups: Sequence[tuple[int, int]]) -> list[Tensor]:
+    grads = []
+    for first, count in groups:
+        p = params[first]
+        shape, stride = (p.shape, p.stride()) if count == 1 else ((count, *p.shape), (p.numel(), *p.stride()))
+        grads.append(torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device))
+    return grads
 
 
 @_moe_ffn_backward.register_fake
@@ -491,12 +522,114 @@ def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan
                            chunk_tokens, kernel_options=""):
     decode_kernels(kernel_options)  # (validates it)
     E, views = decode_layout(layout)
-    grads = []
-    for first, count in _groups(len(params), views, E):
-        p = params[first]
-        shape, stride = (p.shape, p.stride()) if count == 1 else ((count, *p.shape), (p.numel(), *p.stride()))
-        grads.append(torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device))
-    return torch.empty_like(x), torch.empty_like(weights), grads
+    return torch.empty_like(x), torch.empty_like(weights), _fake_grads(params, _groups(len(params), views, E))
+
+
+# ---------------------------------------------------------------------------------------------
+# The split backward: two operators, so that the saved A|B can be freed between them
+# ---------------------------------------------------------------------------------------------
+# One backward operator holds its arguments to its end: the saved A|B [T*K, 2h] stays alive while dA|dB [T*K, 2h]
+# and the weight gradients are allocated, where Inductor's own backward frees its A|B after the activation's
+# gradient. On the Triton path with one slot window the backward is therefore two operators (the autograd formula
+# picks them; the compiled backward frees each argument after its last use):
+#   moe_ffn_backward_act(grad_y, x, ..., preact, plan) -> (dA|dB, dweights, gradients of the down side's groups)
+#   moe_ffn_backward_dx(dA|dB, x, ..., plan)            -> (dx, gradients of the other groups)
+# The second allocates the gate|up gradient with dA|dB alive but A|B freed: one [T*K, 2h] buffer, as in Inductor's.
+_DOWN_SIDE = ("down", "down_bias")
+
+
+def _side_groups(num_params: int, views: Sequence[RoleView | None],
+                 E: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """(the gradient groups of :func:`_groups` that hold the down projection's roles, the others); None where one
+    group holds roles of both (one buffer that neither half could return whole)."""
+    down_side, gate_side = [], []
+    for first, count in _groups(num_params, views, E):
+        sides = {role in _DOWN_SIDE for role, v in zip(ROLES, views) if v is not None and v.first == first}
+        if len(sides) > 1:
+            return None
+        (down_side if sides == {True} else gate_side).append((first, count))
+    return down_side, gate_side
+
+
+def _split_halves(x, params, layout, checkpoint, chunk_tokens, T, K, plan_len):
+    """The groups of each half where the split backward applies: the forward took the Triton path (it saved a
+    plan), "activations", one slot window (static T), and no gradient group holding roles of both halves."""
+    if plan_len == 0 or checkpoint != "activations" or not isinstance(T, int) or not _use_triton(x):
+        return None
+    if _triton_kernels()[1].num_slot_windows(T * K, chunk_tokens * K) != 1:
+        return None
+    E, views = decode_layout(layout)
+    return _side_groups(len(params), views, E)
+
+
+def _split_call(name, x, params, layout, kernel_options):
+    """(E, views, options, the two halves' groups) of a split-backward call, checked."""
+    E, views = decode_layout(layout)
+    halves = _side_groups(len(params), views, E)
+    if halves is None or not _use_triton(x):
+        raise ValueError(f"moeblaze.{name}: the split backward runs on the Triton path, with no gradient group "
+                         "holding both the down projection's roles and the others; call moe_ffn_backward")
+    return E, views, decode_kernels(kernel_options), halves
+
+
+@torch.library.custom_op("moeblaze::moe_ffn_backward_act", mutates_args=())
+@_own_precision
+def _moe_ffn_backward_act(
+    grad_y: Tensor,
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    params: list[Tensor],
+    layout: list[int],
+    preact: Tensor,
+    plan: list[Tensor],
+    activation: str,
+    kernel_options: str = "",
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The split backward's first half ("activations", one window): (dA|dB [T*K, width] in slot order, its rows of
+    unrouted pairs' slots left unwritten; dweights; the gradients of the down side's groups)."""
+    E, views, opts, (down_side, _) = _split_call("moe_ffn_backward_act", x, params, layout, kernel_options)
+    with _using(opts, x.dtype):
+        bufs = _once(lambda: _grad_buffers(params, views, E, down_side))
+        experts = _expert_weights(x, params, views, E)
+        return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, parse_activation(activation),
+                                preact, False, plan, bufs, 0, opts, "act")
+
+
+@_moe_ffn_backward_act.register_fake
+def _moe_ffn_backward_act_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, kernel_options=""):
+    E, views, _, (down_side, _) = _split_call("moe_ffn_backward_act", x, params, layout, kernel_options)
+    return preact.new_empty(preact.shape), torch.empty_like(weights), _fake_grads(params, down_side)
+
+
+@torch.library.custom_op("moeblaze::moe_ffn_backward_dx", mutates_args=())
+@_own_precision
+def _moe_ffn_backward_dx(
+    dpre: Tensor,
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    params: list[Tensor],
+    layout: list[int],
+    plan: list[Tensor],
+    activation: str,
+    kernel_options: str = "",
+) -> tuple[Tensor, list[Tensor]]:
+    """The split backward's second half: (dx, the gradients of the groups other than the down side's) from the
+    first half's dA|dB."""
+    E, views, opts, (_, gate_side) = _split_call("moe_ffn_backward_dx", x, params, layout, kernel_options)
+    with _using(opts, x.dtype):
+        bufs = _once(lambda: _grad_buffers(params, views, E, gate_side))
+        experts = _expert_weights(x, params, views, E)
+        dx, _, grads = _kernel_backward(None, x, ids, weights, experts, views, E, parse_activation(activation),
+                                        None, False, plan, bufs, 0, opts, "dx", dpre)
+        return dx, grads
+
+
+@_moe_ffn_backward_dx.register_fake
+def _moe_ffn_backward_dx_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
+    E, views, _, (_, gate_side) = _split_call("moe_ffn_backward_dx", x, params, layout, kernel_options)
+    return torch.empty_like(x), _fake_grads(params, gate_side)
 
 
 def _setup_context(ctx, inputs, output):
@@ -517,10 +650,20 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
     plan, params = rest[:ctx.plan_len], rest[ctx.plan_len:]
     if grad_y is None:  # y did not reach what is differentiated (gradients are not materialized: see above)
         grad_y = x.new_zeros(x.shape)
-    dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
-        grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.checkpoint, ctx.chunk_tokens,
-        ctx.kernel_options)
     E, views = decode_layout(ctx.layout)
+    halves = _split_halves(x, params, ctx.layout, ctx.checkpoint, ctx.chunk_tokens, *ids.shape, len(plan))
+    if halves is not None:  # two operators: A|B is freed before the gate|up gradient is allocated (see above)
+        dpre, dweights, down_grads = torch.ops.moeblaze.moe_ffn_backward_act(
+            grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.kernel_options)
+        del preact
+        dx, gate_grads = torch.ops.moeblaze.moe_ffn_backward_dx(dpre, x, ids, weights, params, ctx.layout, plan,
+                                                                ctx.activation, ctx.kernel_options)
+        by_first = dict(zip([f for f, _ in halves[0]], down_grads)) | dict(zip([f for f, _ in halves[1]], gate_grads))
+        grads = [by_first[first] for first, _ in _groups(len(params), views, E)]
+    else:
+        dx, dweights, grads = torch.ops.moeblaze.moe_ffn_backward(
+            grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.checkpoint,
+            ctx.chunk_tokens, ctx.kernel_options)
     dparams = []  # a per-expert group's gradient is one stacked buffer: its slices are the parameters'
     for g, (_, count) in zip(grads, _groups(len(params), views, E)):
         dparams.extend(g.unbind(0) if count > 1 else [g])

@@ -727,29 +727,39 @@ def _recompute_on_gluon(grad_y: Tensor, x: Tensor, hw: Tensor, dpre: Tensor, wei
             and gather_sm90.dh_act_usable(grad_y, hw, dpre, dpre, weights, act.name, chunk, bm))
 
 
-def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor) -> None:
-    """The gradient tables mirror the weight tables: same roles, shapes and E; dtype x.dtype or float32."""
+def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor, roles=("gate", "up", "down")) -> None:
+    """The gradient tables of ``roles`` mirror the weight tables: same shapes and E, dtype x.dtype or float32; up's
+    exactly when w has one (a gated activation). The other roles' entries are not read (they may be None)."""
     if not isinstance(grads, ExpertTables):
         raise TypeError(f"grads must be an ExpertTables (see kernels.tables), got {type(grads).__name__}")
-    if (grads.up is None) != (w.up is None):
+    if "up" in roles and (grads.up is None) != (w.up is None):
         raise ValueError("grads.up must be given exactly when w.up is (a gated activation)")
     E = w.gate.ptrs.numel()
     dtypes = tuple(dict.fromkeys((x.dtype, torch.float32)))
-    for name in ("gate", "up", "down"):
+    for name in roles:
         g, t = getattr(grads, name), getattr(w, name)
+        if g is None and name != "up":
+            raise ValueError(f"grads.{name} is missing: this call writes the {name} weight's gradient")
         if g is not None:
             _check_table(f"grads.{name}", g, t.rows, t.cols, E, x, dtypes)
+
+
+# The roles whose weight gradients each phase of expert_backward writes
+PHASE_ROLES = {"all": ("gate", "up", "down"), "act": ("down",), "dx": ("gate", "up")}
 
 
 def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables, preact: Tensor,
                     plan: DispatchPlan, activation: "Activation | str",
                     gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                     *, grads: ExpertTables, recompute: bool, accumulate: bool = False, window_slots: int = 0,
-                    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+                    phase: str = "all", dpre: Tensor | None = None,
+                    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, d_gate_bias, d_up_bias, d_down_bias).
 
     Weight gradients go through ``grads`` (tables of the same shapes as ``w``, x.dtype or float32):
-    overwritten, or added to when ``accumulate`` (experts with no slots: zeros, or left as they are). Bias
+    overwritten, or added to when ``accumulate`` (experts with no slots: zeros, or left as they are). ``grads`` may
+    be a function returning those tables, called once just before the first weight-gradient kernel: the caller then
+    allocates the gradients after the transients freed before it (the per-slot dX, w*H). Bias
     gradients are float32 ``[E, h]``, ``[E, h]``, ``[E, d]``, None where the bias is None.
     ``recompute``: the memory policy. True ("recompute"): A|B are computed again and ``preact`` is the empty
     tensor the forward returned; False ("activations"): ``preact`` is the forward's slot-order ``[T*K, 2h]``
@@ -758,24 +768,40 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     ``window_slots`` > 0 runs the slots in windows of at most that many (:func:`~.expert_fwd.slot_windows`),
     bounding the transients dA|dB, w*H and dX to that many rows. An expert whose slots span several windows
     gets its weight gradient added to in place (one rounding to the gradient's dtype per window it spans),
-    and dx accumulates across windows in x's dtype (one rounding per window a token's slots fall in)."""
+    and dx accumulates across windows in x's dtype (one rounding per window a token's slots fall in).
+
+    ``phase`` cuts the work of one window (``window_slots`` 0, or not below T*K) into two calls, so that what
+    the first reads can be freed before the second allocates (the operator's split backward, ``ops.py``):
+    ``"act"`` runs dh with its activation epilogue, dW_down and the down bias and returns (dA|dB [T*K, width],
+    dweights, None, None, d_down_bias); ``"dx"`` takes that dA|dB as ``dpre`` and runs dX and its combine,
+    dW_gate|up and the gate/up biases, returning (dx, None, d_gate_bias, d_up_bias, None). Each writes only its
+    roles' gradient tables (:data:`PHASE_ROLES`); together they compute bitwise what ``"all"`` does."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
-    check_grad_tables(grads, w, x)
+    if phase not in PHASE_ROLES:
+        raise ValueError(f"phase must be one of {tuple(PHASE_ROLES)}, got {phase!r}")
+    make_grads = grads if callable(grads) else None  # made just before the first weight-gradient kernel
+    if make_grads is None:
+        check_grad_tables(grads, w, x, PHASE_ROLES[phase])
+    act_phase, dx_phase = phase != "dx", phase != "act"
     N = T * K
     width = 2 * h if act.gated else h
-    if tuple(grad_y.shape) != (T, d):
-        raise ValueError(f"grad_y must be [T, d] = {(T, d)}, got shape {tuple(grad_y.shape)}")
-    if grad_y.device != x.device:
-        raise ValueError(f"grad_y is on {grad_y.device}, x on {x.device}")
-    grad_y = grad_y.to(x.dtype)
-    if recompute and preact.numel() != 0:
+    if act_phase:  # (the "dx" phase never reads grad_y: it may be None)
+        if tuple(grad_y.shape) != (T, d):
+            raise ValueError(f"grad_y must be [T, d] = {(T, d)}, got shape {tuple(grad_y.shape)}")
+        if grad_y.device != x.device:
+            raise ValueError(f"grad_y is on {grad_y.device}, x on {x.device}")
+        grad_y = grad_y.to(x.dtype)
+    if act_phase and recompute and preact.numel() != 0:
         raise ValueError(f"recompute=True takes the forward's empty preact, got shape {tuple(preact.shape)}")
-    if not recompute and (tuple(preact.shape) != (N, width) or preact.dtype != x.dtype):
+    if act_phase and not recompute and (tuple(preact.shape) != (N, width) or preact.dtype != x.dtype):
         raise ValueError(f"preact must be [T*K, {'2h' if act.gated else 'h'}] = {(N, width)} of {x.dtype} "
                          f"(recompute=False), got {tuple(preact.shape)} of {preact.dtype}")
+    if phase == "dx" and (dpre is None or tuple(dpre.shape) != (N, width) or dpre.dtype != x.dtype):
+        raise ValueError(f"phase 'dx' takes the 'act' phase's dA|dB [T*K, width] = {(N, width)} of {x.dtype} as "
+                         f"dpre, got {None if dpre is None else (tuple(dpre.shape), dpre.dtype)}")
 
     busy = N > 0 and h > 0 and d > 0  # some GEMM has work
-    dx = x.new_empty((T, d)) if busy else x.new_zeros((T, d))
+    dx = (x.new_empty((T, d)) if busy else x.new_zeros((T, d))) if dx_phase else None
     chunk = autotune.dweights_chunk()
     num_chunks = triton.cdiv(h, chunk)
     # Rows of the routing-weight partials: first the <dy, b_down> ones (one per column block of d), then the
@@ -783,19 +809,24 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     bias_rows = triton.cdiv(d, _bias_grad_block_n(d)) if down_bias is not None and d > 0 else 0
     # The routing-weight gradient's partial sums, by slot; column N stays 0, for the unrouted pairs (slot_of -1)
     part = torch.zeros((bias_rows + num_chunks + _MAX_DH_BLOCK_N // chunk, N + 1), dtype=torch.float32,
-                       device=x.device)
+                       device=x.device) if act_phase else None
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
     d_down_bias = None
-    if down_bias is not None:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> into part
+    if down_bias is not None and act_phase:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> in part
         d_down_bias = _bias_grad(grad_y, True, weights, plan, K, E, dot_bias=down_bias, part=part)
     skip = accumulate and N == 0  # nothing to add
-    d_gate_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if gate_bias is not None else None
-    d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None else None
+    d_gate_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if gate_bias is not None and dx_phase \
+        else None
+    d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None and dx_phase \
+        else None
 
     windows = slot_windows(plan, window_slots)
+    if phase != "all" and len(windows) != 1:
+        raise ValueError(f"phase {phase!r} runs one window: window_slots must be 0 or at least T*K = {N}, got "
+                         f"{window_slots}")
     # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
-    w_dx = down_operand(w.gate, w.up, True, h, x)
-    dh_sm90 = _dh_sm90_weights(w, d, x) if DH_SPLIT else None
+    w_dx = down_operand(w.gate, w.up, True, h, x) if dx_phase else None
+    dh_sm90 = _dh_sm90_weights(w, d, x) if DH_SPLIT and act_phase else None
     # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see the module doc)
     up_sm90 = _up_sm90_weights(w, d, _up_weight_mode(w, x)[1], x) if recompute and dh_sm90 is not None else None
     biased = gate_bias is not None or up_bias is not None
@@ -805,15 +836,29 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # does: each A|B element read before it is written, by the program that writes it). Only split: the epilogue
     # launch (dh_act) has one configuration, never re-run by the tuner over its own output.
     recompute_up = recompute and DH_SPLIT and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
-    grads_gate_up = _gate_up_table(grads.gate, grads.up)  # dW_gate and dW_up as one launch, or None
-    grads_interleaved = _interleaved_grad_table(grads.gate, grads.up)  # likewise, interleaved (gpt-oss)
+
+    def grad_tables():  # (the gradient tables, dW_gate|up in one launch, likewise interleaved (gpt-oss's)), made once
+        nonlocal grads, made
+        if made is None:
+            if make_grads is not None:
+                grads = make_grads()
+                check_grad_tables(grads, w, x, PHASE_ROLES[phase])
+            made = (grads, _gate_up_table(grads.gate, grads.up) if dx_phase else None,
+                    _interleaved_grad_table(grads.gate, grads.up) if dx_phase else None)
+        return made
+
+    made = None
+    dpre_in, dpre = dpre, None
     for i, win in enumerate(windows):
         s0, s1 = win.slot0, win.slot1
         n = s1 - s0
         dw_window = (s0, s1, s1 if i + 1 < len(windows) else N + 1)
-        dpre = x.new_empty((n, width))  # transients: the window's dA|dB, w*H
-        hw = x.new_empty((n, h))
-        if busy:
+        if not act_phase:
+            dpre = dpre_in
+        else:
+            dpre = x.new_empty((n, width))  # transients: the window's dA|dB, w*H
+            hw = x.new_empty((n, h))
+        if busy and act_phase:
             pre = dpre if recompute else preact[s0:]  # placeholder pointer when recomputing, never read
 
             def grid(meta, num_tiles=win.num_tiles):
@@ -839,8 +884,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             else:
                 phases = [(_expert_dh_tuned, "dh", 0)]
             in_dh = recompute and not recompute_up  # A|B recomputed inside the dh kernel
-            for tuned_kernel, kind, phase in phases:
-                if phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
+            for tuned_kernel, kind, dh_phase in phases:
+                if dh_phase == 1 and dh_sm90 is not None and gather_sm90.dh_usable(grad_y, hw, plan_block_m()):
                     if gather_sm90.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
                         # both phases in one launch: the same dA|dB and w*H, bitwise
                         gather_sm90.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, pre, dpre,
@@ -865,16 +910,22 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
                     W_ALIGN=table_align(w.down, w.gate, w.up) if in_dh else table_align(w.down),
                     RECOMPUTE=in_dh, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-                    PHASE=phase,
+                    PHASE=dh_phase,
                 )
             del pre  # may alias dpre: it must not outlive the window
-        if not skip:
-            _weight_grad(grad_y, hw, grads.down, plan, K, accumulate, dw_window)  # [E, d, h]
-        del hw
-        if busy:
+        if act_phase:
+            if not skip:
+                _weight_grad(grad_y, hw, grad_tables()[0].down, plan, K, accumulate, dw_window)  # [E, d, h]
+            del hw
+        if not dx_phase:
+            break
+        if busy:  # dX, combined into dx at once: its slots are freed before dW_gate|up
             dx_slots = x.new_empty((n, d))
             down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
+            combine(dx_slots, None, plan, T, K, dx, (s0, s1), accumulate=i > 0)
+            del dx_slots
         if not skip:
+            grads, grads_gate_up, grads_interleaved = grad_tables()
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
             # On a GPU the interleaved dW runs only where dA|dB's rows take a descriptor: its pointer form crashes
             # Triton 3.6's TritonGPUOptimizeDotOperands pass on sm_90 (h = 90, H100, 2026-11-27); the interpreter
@@ -892,8 +943,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         if up_bias is not None:
             d_up_bias += _bias_grad(dpre[:, h:], False, None, plan, K, E, window=(s0, s1))
         del dpre
-        if busy:
-            combine(dx_slots, None, plan, T, K, dx, (s0, s1), accumulate=i > 0)
-            del dx_slots
+    if phase == "dx":
+        return dx, None, d_gate_bias, d_up_bias, None
     dweights = part[:bias_rows + num_chunks].sum(0)[plan.slot_of].view(T, K).to(weights.dtype)  # (-1: column N)
+    if phase == "act":
+        return dpre, dweights, None, None, d_down_bias
     return dx, dweights, d_gate_bias, d_up_bias, d_down_bias

@@ -108,7 +108,11 @@ def run(args, size: Size, device: torch.device, rank: int, world: int) -> bool:
         compiled = case.compile != "none"
         want_counters = {"rewritten": 1} if compiled else {}
         forwards = size.layers * (2 if case.checkpoint else 1)  # checkpointing runs each block again in backward
-        want_calls = {"moeblaze::moe_ffn": forwards, "moeblaze::moe_ffn_backward": size.layers} if compiled else {}
+        # the kernels (CUDA, 16-bit and float32) run the split backward: two operators a block (ops.py)
+        split = device.type == "cuda" and (case.mixed or case.dtype) != "float64"
+        backward = ({"moeblaze::moe_ffn_backward_act": size.layers, "moeblaze::moe_ffn_backward_dx": size.layers}
+                    if split else {"moeblaze::moe_ffn_backward": size.layers})
+        want_calls = {"moeblaze::moe_ffn": forwards, **backward} if compiled else {}
         problems = [f"rank {r}: counters {e['counters']}, expected {want_counters}"
                     for r, e in enumerate(every) if e["counters"] != want_counters]
         problems += [f"rank {r}: operator calls {e['op_calls']}, expected {want_calls}"

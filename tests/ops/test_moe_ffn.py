@@ -211,6 +211,91 @@ def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(t
         assert torch.equal(a, b)
 
 
+def test_triton_path_split_backward_equals_the_one_operator_backward(triton_path):
+    """The split backward (dA|dB, dweights and the down gradient; then dx and the gate|up gradient) computes bitwise
+    what the one-operator backward does; its fakes match; a layout whose one parameter holds down and gate is
+    refused with the fix named."""
+    from moeblaze_fx.kernels import expert_bwd
+
+    x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32, route=_with_sentinels)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
+    g = torch.randn_like(y)
+    whole = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, plan, "swiglu", "activations", 0)
+    dpre, dweights, down = torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, params, layout, preact, plan, "swiglu")
+    dx, gate_up = torch.ops.moeblaze.moe_ffn_backward_dx(dpre, x, ids, w, params, layout, plan, "swiglu")
+    assert dpre.shape == preact.shape and len(down) == len(gate_up) == 1
+    for a, b in zip((whole[0], whole[1], *whole[2]), (dx, dweights, *gate_up, *down)):
+        assert torch.equal(a, b)
+    # opcheck compares whole outputs: every pair routed (dA|dB's rows of unrouted slots are left unwritten)
+    x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32)
+    params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
+    dpre = torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, params, layout, preact, plan, "swiglu")[0]
+    xd, wdet, pd = x.detach(), w.detach(), [p.detach() for p in params]  # (the halves have no backward)
+    torch.library.opcheck(torch.ops.moeblaze.moe_ffn_backward_act.default,
+                          (g, xd, ids, wdet, pd, layout, preact, plan, "swiglu"))
+    torch.library.opcheck(torch.ops.moeblaze.moe_ffn_backward_dx.default,
+                          (dpre.detach(), xd, ids, wdet, pd, layout, plan, "swiglu"))
+    with pytest.raises(ValueError, match=r"dpre"):
+        torch.ops.moeblaze.moe_ffn_backward_dx(dpre[:, :24], x, ids, w, params, layout, plan, "swiglu")
+    with pytest.raises(ValueError, match=r"phase 'act' runs one window"):
+        tables, plan_t = _tables_and_plan(params, layout, plan)
+        expert_bwd.expert_backward(g, x, w, tables, preact, plan_t, "swiglu", grads=tables, recompute=False,
+                                   window_slots=16, phase="act")
+    # gate, up and down in one parameter: its gradient is one buffer, which neither half could return whole
+    E, h, d = 4, 24, 16
+    one = torch.cat([wgu.detach().reshape(-1), wd.detach().reshape(-1)])
+    views = [RoleView(0, 1, 0, 2 * h * d, d, 1, h, d), RoleView(0, 1, h * d, 2 * h * d, d, 1, h, d),
+             RoleView(0, 1, 2 * E * h * d, d * h, h, 1, d, h), None, None, None]
+    mixed = encode_layout(E, views)
+    with pytest.raises(ValueError, match=r"call moe_ffn_backward"):
+        torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, [one], mixed, preact, plan, "swiglu")
+    wone = one.clone().requires_grad_()
+    y1 = torch.ops.moeblaze.moe_ffn(x, ids, w, [wone], mixed, "swiglu", "activations", 0)[0]
+    got = torch.autograd.grad(y1, (x, wone), g)  # the autograd formula keeps the one-operator backward there
+    want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, wgu, wd), g)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], torch.cat([want[1].reshape(-1), want[2].reshape(-1)]), rtol=1e-5, atol=1e-5)
+
+
+def _tables_and_plan(params, layout, plan):
+    from moeblaze_fx import ops
+    from moeblaze_fx.kernels.reference import DispatchPlan
+
+    E, views = moeblaze_fx.layout.decode_layout(layout)
+    return ops._tables(params, views, E), DispatchPlan(*plan)
+
+
+def test_split_backward_frees_the_saved_activations_before_the_gate_up_gradient(triton_path):
+    """In the compiled backward graph the saved A|B's last use is the first half: the second (which allocates the
+    gate|up gradient) does not take it, so the graph frees it before. One window (chunk 0) takes the split; several
+    windows keep the one-operator backward, whose windows bound the transients."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32)
+    for chunk, want in ((0, ["moe_ffn_backward_act", "moe_ffn_backward_dx"]), (6, ["moe_ffn_backward"])):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            def bw(g, _):
+                graphs.append(g)
+                return g
+            return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: g, bw_compiler=bw)
+
+        f = torch.compile(lambda x, w, a, b: moe_ffn(x, ids, w, (a, b), chunk_tokens=chunk), backend=backend,
+                          fullgraph=True)
+        xs = [t.detach().clone().requires_grad_() for t in (x, w, wgu, wd)]
+        f(*xs).sum().backward()
+        (graph,) = graphs
+        calls = [n for n in graph.graph.nodes if n.op == "call_function" and "moeblaze" in str(n.target)]
+        assert [n.target._opname for n in calls] == want
+        if chunk == 0:
+            preact = calls[0].args[6]  # moe_ffn_backward_act(grad_y, x, ids, weights, params, layout, preact, ...)
+            assert preact.op == "placeholder" and set(preact.users) == {calls[0]}
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("checkpoint", ["activations", "recompute"])
 def test_triton_path_opcheck(triton_path, checkpoint):
     """The fake implementation's plan shapes (static in T, K and E) match the real ones."""
@@ -241,7 +326,7 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
     g = torch.randn_like(y)
     with moeblaze_fx.patch(kernels={"kernel_config": "block_m=64"}):  # not what the call carries
         got = torch.autograd.grad(y, (x, w, wgu, wd), g)
-    assert seen == [pinned] and len(triton_path) == 1
+    assert seen == [pinned, pinned] and len(triton_path) == 1  # the split backward's two halves
     want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, w, wgu, wd), g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -253,7 +338,7 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
         y = moe_ffn(x, ids, w, (wgu, wd))
     assert triton_path[-1][2] == 32
     torch.autograd.grad(y, (x, w, wgu, wd), g)
-    assert seen == [pinned]
+    assert seen == [pinned, pinned]
 
 
 @pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 128), (torch.float32, 64)])
