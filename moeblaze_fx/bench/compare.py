@@ -16,7 +16,6 @@ the compile). Dynamo is reset between variants.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -27,7 +26,8 @@ from torch import Tensor
 
 from .. import report as _report
 from .layer import free_memory, is_oom, saved_activation_bytes, timer_label
-from .timing import StepTimes, spread_note
+from .results import JsonResult, mb_cell, number_cell
+from .timing import StepTimes, spread_note, wall_step_times
 
 __all__ = ["CompareRow", "CompareResult", "compare", "default_loss", "format_compare_table",
            "check_plot_requirements"]
@@ -58,7 +58,7 @@ class CompareRow:
 
 
 @dataclasses.dataclass
-class CompareResult:
+class CompareResult(JsonResult):
     rows: list[CompareRow]
     reports: dict[str, list[dict[str, Any]]]  # variant -> compile-report records (RegionRecord.as_dict())
     meta: dict[str, Any]
@@ -80,13 +80,6 @@ class CompareResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "rows": [r.as_dict() for r in self.rows], "reports": self.reports}
-
-    def to_json(self, path: Optional[str] = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, default=str)
-        if path:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
 
     def plot(self, path: str) -> str:
         return plot_compare(self, path)
@@ -311,19 +304,17 @@ def _run_variant(name: str, make: Callable[[], Callable[..., Any]], runner: _Run
         row.loss = loss
         grads = runner.grads()
 
-        times = []
-        for _ in range(steps):
-            if device.type == "cuda":
+        if device.type == "cuda":  # one step at a time: each waited for before the next starts
+            times = []
+            for _ in range(steps):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 runner.step(fn)
                 end.record()
                 torch.cuda.synchronize(device)
                 times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                runner.step(fn)
-                times.append((time.perf_counter() - t0) * 1e3)
+        else:
+            times = wall_step_times(lambda i: runner.step(fn), steps)
         timed = StepTimes.of(times)
         row.step_ms = timed.median
         row.step_times_ms = list(timed.times_ms)
@@ -389,14 +380,6 @@ def _grad_errors(grads: dict[str, Optional[Tensor]], eager: dict[str, Optional[T
     return worst, worst_name, missing
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _mb(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 2 ** 20:.2f}"
-
-
 def format_compare_table(result: CompareResult) -> str:
     """Markdown: one row per variant."""
     m = result.meta
@@ -413,11 +396,11 @@ def format_compare_table(result: CompareResult) -> str:
         note = r.note if r.status == "ok" else f"{r.status}: {r.note}" if r.note else r.status
         if r.worst_grad and r.max_grad_rel_err:
             note = "; ".join(filter(None, [note, f"worst grad: {r.worst_grad}"]))
-        step = StepTimes.of(r.step_times_ms).cell(".2f") if r.step_times_ms else _fmt(r.step_ms, ".2f")
+        step = StepTimes.of(r.step_times_ms).cell(".2f") if r.step_times_ms else number_cell(r.step_ms, ".2f")
         lines.append(
-            f"| {r.variant} | {_fmt(r.loss, '.6g')} | {_fmt(r.loss_rel_diff, '.1e')} | "
-            f"{_fmt(r.max_grad_rel_err, '.1e')} | {step} | {_fmt(r.first_step_s, '.1f')} | "
-            f"{_mb(r.saved_bytes)} | {_mb(r.peak_bytes)} | {regions} | {note.replace('|', '/')} |"
+            f"| {r.variant} | {number_cell(r.loss, '.6g')} | {number_cell(r.loss_rel_diff, '.1e')} | "
+            f"{number_cell(r.max_grad_rel_err, '.1e')} | {step} | {number_cell(r.first_step_s, '.1f')} | "
+            f"{mb_cell(r.saved_bytes, '.2f')} | {mb_cell(r.peak_bytes, '.2f')} | {regions} | {note.replace('|', '/')} |"
         )
     note = spread_note([r.wide_spread for r in result.rows])
     if note:

@@ -80,7 +80,9 @@ from ..memory import saved_activation_bytes  # noqa: F401  (compare.py reads it 
 import torch.nn.functional as F
 from torch import Tensor
 
-from .timing import SPREAD_MARK, StepTimes, host_enqueue_ms, spread_note
+from .results import JsonResult, mb_cell, number_cell
+from .timing import L2_FLUSH_BYTES, SPREAD_MARK, StepTimes, cuda_step_times, host_enqueue_ms, spread_note, sync, \
+    wall_step_times
 from ..kernels.reference import ExpertParams, activation_forward, moe_ffn_reference, parse_activation, split_gate_up
 
 __all__ = [
@@ -113,7 +115,6 @@ FLOPS_PER_TOKEN_CHOICE = 18  # 3 GEMMs forward (2*d*2h + 2*h*d = 6dh), 6 backwar
 FORWARD_FLOPS_PER_TOKEN_CHOICE = 6
 DENSE_GEMM_N_CUDA = 8192  # the ceiling docs/benchmarks.md quotes: 8192^3 bf16
 DENSE_GEMM_N_CPU = 1024
-L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, H200 60 MB)
 ROTATION_BYTES = 512 << 20  # input sets rotated between timed steps: at most this many bytes of them
 MAX_ROTATION = 4
 LOWMEM_BUDGET = 128 << 20  # transient_budget of the moeblaze-lowmem provider
@@ -356,7 +357,7 @@ def _grouped_mm_probe(device: torch.device, dtype: torch.dtype, allow_cpu: bool 
         out = torch._grouped_mm(a, b, offs=offs)
         # A dense upstream gradient, as in the layer (an expanded one, from .sum(), is rejected by the kernel).
         torch.autograd.grad(out, (a, b), torch.randn_like(out))
-        _sync(device)
+        sync(device)
     except Exception as exc:  # noqa: BLE001 - any failure means "use the fallback", with the reason shown
         return False, f"torch._grouped_mm failed on {device.type}/{dtype}: {str(exc).splitlines()[0][:120]}"
     return True, ""
@@ -636,11 +637,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timer_label(device: torch.device, warmup: int, reps: int) -> str:
     if device.type == "cuda":
         return f"CUDA events, median of {reps} after {warmup} warm-up, L2 flushed before each"
@@ -662,21 +658,6 @@ def host_label(device: torch.device) -> str:
     return "host ms: CUDA only (on the CPU the step's wall time is the ms column)"
 
 
-def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0) -> list[float]:
-    """Each of ``reps`` steps' time in ms (``step(first)``, ``step(first + 1)``, ...): CUDA events, the L2 flushed
-    before each step, the steps enqueued back to back (the host's time: ``timing.host_enqueue_ms``)."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush.zero_()
-        starts[i].record()
-        step(first + i)
-        ends[i].record()
-    torch.cuda.synchronize(device)
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-
-
 def split_step_times(forward: Callable[[int], Any], backward: Callable[[Any], Any], device: torch.device,
                      warmup: int, reps: int) -> tuple[list[float], list[float], list[float]]:
     """(step, forward, backward) times in ms of ``reps`` timed steps after ``warmup`` untimed ones. Step ``i`` is
@@ -685,7 +666,7 @@ def split_step_times(forward: Callable[[int], Any], backward: Callable[[Any], An
     the same three points. The forward's result is dropped after its backward."""
     for i in range(warmup):
         backward(forward(i))
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
         events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(reps)]
@@ -717,15 +698,10 @@ def step_times(step: Callable[[int], Any], device: torch.device, warmup: int, re
     CPU)."""
     for i in range(warmup):
         step(i)
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         return cuda_step_times(step, device, reps, warmup)
-    times = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        step(warmup + i)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return wall_step_times(step, reps, warmup)
 
 
 def time_steps(step: Callable[[int], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
@@ -807,18 +783,13 @@ def _measure(layer: Callable[..., tuple[Tensor, Tensor]], cfg: LayerConfig, inpu
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     _grads(layer, inputs, 0)  # first step: compiles, autotunes, allocates
-    _sync(device)
+    sync(device)
     out["first_step_s"] = time.perf_counter() - t0
 
     total, fwd, bwd = split_step_times(lambda i: _forward(layer, inputs, i), _backward, device,
                                        max(warmup - 1, 0), reps)
-    timed = StepTimes.of(total)
-    ms = timed.median
-    out["ms"] = ms
-    out["steps_timed"] = timed.n
-    out["ms_spread"] = timed.spread
-    out["wide_spread"] = timed.wide
-    out["tflops"] = layer_flops(cfg) / ms / 1e9
+    out.update(StepTimes.of(total).fields(times=False))
+    out["tflops"] = layer_flops(cfg) / out["ms"] / 1e9
     out["frac_dense_gemm"] = out["tflops"] / dense_tflops if dense_tflops else None
     out["fwd_ms"], out["bwd_ms"] = statistics.median(fwd), statistics.median(bwd)
     out["fwd_tflops"] = forward_flops(cfg) / out["fwd_ms"] / 1e9 if out["fwd_ms"] > 0 else None
@@ -935,20 +906,13 @@ def environment(device: torch.device) -> dict[str, Any]:
 # The run
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class BenchResult:
+class BenchResult(JsonResult):
     meta: dict[str, Any]
     rows: list[dict[str, Any]]
     dispatch: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "rows": self.rows, "dispatch": _jsonable(self.dispatch)}
-
-    def to_json(self, path: Optional[str] = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, default=str)
-        if path:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
 
     def to_markdown(self) -> str:
         return format_markdown(self)
@@ -1200,15 +1164,7 @@ def run_dispatch(device: torch.device) -> Any:
 # Output: markdown and plots
 # ---------------------------------------------------------------------------------------------
 def _fmt(value: Optional[float], spec: str) -> str:
-    if value is None:
-        return "-"
-    if spec.endswith("f") and value != 0 and abs(value) < 10 ** -int(spec[1:-1]):
-        return format(value, ".2g")  # tiny sizes on the CPU: show the digits that matter
-    return format(value, spec)
-
-
-def _mb(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 2 ** 20:.0f}" if n >= 10 * 2 ** 20 else f"{n / 2 ** 20:.2f}"
+    return number_cell(value, spec, tiny=True)  # tiny sizes on the CPU: show the digits that matter
 
 
 def _status_cell(row: dict[str, Any]) -> Optional[str]:
@@ -1252,7 +1208,8 @@ def format_markdown(result: BenchResult) -> str:
                 frac = None if r["frac_dense_gemm"] is None else 100 * r["frac_dense_gemm"]
                 ms_cell = _fmt(r["ms"], ".2f") + (SPREAD_MARK if r.get("wide_spread") else "")
                 cells = [ms_cell, _fwd_bwd_cell(r), _fmt(r.get("host_ms"), ".2f"), _fmt(r["tflops"], ".1f"),
-                         _fmt(frac, ".0f"), _mb(r["saved_bytes"]), _mb(r["peak_bytes"]), _fmt(r["max_rel_err"], ".1e")]
+                         _fmt(frac, ".0f"), mb_cell(r["saved_bytes"]), mb_cell(r["peak_bytes"]),
+                         _fmt(r["max_rel_err"], ".1e")]
             note = r["note"].replace("|", "/")
             lines.append(f"| {cfg_cell} | {r['provider']} | " + " | ".join(cells) + f" | {note} |")
         lines.append("")

@@ -47,8 +47,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .layer import cuda_step_times, environment, free_memory, is_oom
-from .timing import StepTimes, host_enqueue_ms, spread_note
+from .layer import environment, free_memory, is_oom
+from .results import JsonResult, mb_cell, number_cell
+from .timing import StepTimes, cuda_step_times, host_enqueue_ms, spread_note, sync, wall_step_times
 
 __all__ = [
     "Family",
@@ -294,34 +295,23 @@ def _step(fn: Callable[..., Any], model: torch.nn.Module, input_ids: Tensor, see
     return loss.detach()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _measure(fn, model, input_ids, device, warmup: int, reps: int, seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     loss = _step(fn, model, input_ids, seed)  # compiles
-    _sync(device)
+    sync(device)
     out["first_step_s"] = time.perf_counter() - t0
     out["loss"] = float(loss)
     for _ in range(max(warmup - 1, 0)):
         _step(fn, model, input_ids, seed)
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         times = cuda_step_times(lambda i: _step(fn, model, input_ids, seed), device, reps)
         out["host_ms"] = StepTimes.of(host_enqueue_ms(lambda: _step(fn, model, input_ids, seed), device, reps)).median
     else:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            _step(fn, model, input_ids, seed)
-            times.append((time.perf_counter() - t0) * 1e3)
-    timed = StepTimes.of(times)
-    out.update(ms=timed.median, step_times_ms=list(timed.times_ms), steps_timed=timed.n, ms_spread=timed.spread,
-               wide_spread=timed.wide)
+        times = wall_step_times(lambda i: _step(fn, model, input_ids, seed), reps)
+    out.update(StepTimes.of(times).fields())
     if device.type == "cuda":
         for p in model.parameters():
             p.grad = None
@@ -346,19 +336,12 @@ def _row(family: str, tokens: int, batch: int, seq: int, provider: str, **fields
 
 
 @dataclasses.dataclass
-class ModelsBenchResult:
+class ModelsBenchResult(JsonResult):
     meta: dict[str, Any]
     rows: list[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "rows": self.rows}
-
-    def to_json(self, path: Optional[str] = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, default=str)
-        if path:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
 
     def to_markdown(self) -> str:
         return format_models_markdown(self)
@@ -525,14 +508,6 @@ def _run_tokens(model, family, tokens, split, providers, device, fsdp_style, moe
     return rows
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _mb(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 2 ** 20:.0f}"
-
-
 def format_models_markdown(result: ModelsBenchResult) -> str:
     m = result.meta
     compile_what = "each decoder layer compiled on its own (FSDP2 style)" if m.get("fsdp_style") else \
@@ -569,9 +544,9 @@ def format_models_markdown(result: ModelsBenchResult) -> str:
         if r["regions_rewritten"] is not None and r["graphs"] is not None:
             regions += f" ({r['graphs']} graph{'s' if r['graphs'] != 1 else ''})"
         lines.append(
-            f"| {cell} | {r['provider']} | {step} | {_fmt(r['host_ms'], '.2f')} | {_fmt(speed, '.2f')} | "
-            f"{_mb(r['peak_bytes'])} | {_fmt(r['first_step_s'], '.1f')} | {regions} | "
-            f"{_fmt(r['loss_rel_diff'], '.1e')} | {r['note'].replace('|', '/')} |")
+            f"| {cell} | {r['provider']} | {step} | {number_cell(r['host_ms'], '.2f')} | {number_cell(speed, '.2f')} | "
+            f"{mb_cell(r['peak_bytes'], '.0f')} | {number_cell(r['first_step_s'], '.1f')} | {regions} | "
+            f"{number_cell(r['loss_rel_diff'], '.1e')} | {r['note'].replace('|', '/')} |")
         if r["provider"] == NO_EXPERTS:
             share = result.moe_share(r["family"], r["tokens"])
             if share is not None:

@@ -17,13 +17,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["WIDE_SPREAD", "SPREAD_MARK", "SPREAD_NOTE", "StepTimes", "spread_note", "host_enqueue_ms"]
+__all__ = ["WIDE_SPREAD", "SPREAD_MARK", "SPREAD_NOTE", "L2_FLUSH_BYTES", "StepTimes", "spread_note", "sync",
+           "wall_step_times", "cuda_step_times", "host_enqueue_ms"]
 
 WIDE_SPREAD = 0.25  # (max - min) / median above this: the steps disagree by more than a quarter of the time shown
 SPREAD_MARK = "*"
 SPREAD_NOTE = (f"{SPREAD_MARK} the timed steps of this cell spread by more than {WIDE_SPREAD:.0%} of their median "
                "((max - min) / median): the machine was busy or the steps differ; take the time as rough, or rerun "
                "with more steps on an idle machine.")
+L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, H200 60 MB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,12 @@ class StepTimes:
         """``"12.34 (n=3)"``, with ``SPREAD_MARK`` appended when the spread is wide."""
         return f"{format(self.median, spec)} (n={self.n})" + (SPREAD_MARK if self.wide else "")
 
+    def fields(self, times: bool = True) -> dict[str, Any]:
+        """A result row's fields of this measurement: ``ms`` (the median), ``step_times_ms`` (all of them; only
+        with ``times``), ``steps_timed``, ``ms_spread``, ``wide_spread``."""
+        return {"ms": self.median, **({"step_times_ms": list(self.times_ms)} if times else {}), "steps_timed": self.n,
+                "ms_spread": self.spread, "wide_spread": self.wide}
+
     def as_dict(self) -> dict[str, Any]:
         return {"median_ms": self.median, "n": self.n, "min_ms": min(self.times_ms), "max_ms": max(self.times_ms),
                 "spread": self.spread, "wide_spread": self.wide}
@@ -72,6 +80,38 @@ class StepTimes:
 def spread_note(flags: Sequence[Optional[bool]]) -> Optional[str]:
     """``SPREAD_NOTE`` when any cell was flagged, else None."""
     return SPREAD_NOTE if any(bool(f) for f in flags) else None
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_step_times(step: Callable[[int], Any], reps: int, first: int = 0) -> list[float]:
+    """Each of ``reps`` steps' wall-clock time in ms (``step(first)``, ``step(first + 1)``, ...): the CPU's timer,
+    where nothing runs asynchronously."""
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        step(first + i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def cuda_step_times(step: Callable[[int], Any], device: torch.device, reps: int, first: int = 0) -> list[float]:
+    """Each of ``reps`` steps' time in ms (``step(first)``, ``step(first + 1)``, ...): CUDA events, the L2 flushed
+    before each step, the steps enqueued back to back (the host's time: ``host_enqueue_ms``)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        step(first + i)
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def host_enqueue_ms(step: Callable[[], Any], device: torch.device, reps: int) -> list[float]:

@@ -17,11 +17,12 @@ Three layers live here:
   ``slot_of [T*K]`` and the row-tile metadata the grouped GEMMs walk.
 * ``moe_ffn_reference`` is the obvious differentiable loop, used as the numerical truth in tests.
 * ``moe_ffn_forward_torch`` / ``moe_ffn_backward_torch`` implement the operator's memory policy in
-  plain PyTorch (the CPU path): the forward keeps, under the ``"activations"`` policy, the
-  pre-activations ``A|B [T*K, 2h]`` (``[T*K, h]`` for a plain activation); never a gathered
-  ``[T*K, d]`` copy of the tokens and never the expert outputs. The backward recomputes the
-  activation and ``H`` and takes the routing-weight gradient as ``<dH', H> + <dy, down_bias>`` so the
-  expert outputs ``Y`` are not needed.
+  plain PyTorch (the CPU path, and CUDA's for float64 or without Triton): the forward keeps, under the
+  ``"activations"`` policy, the pre-activations ``A|B [T*K, 2h]`` (``[T*K, h]`` for a plain activation);
+  never a gathered ``[T*K, d]`` copy of the tokens and never the expert outputs. The backward recomputes
+  the activation and ``H`` and takes the routing-weight gradient as ``<dH', H> + <dy, down_bias>`` so the
+  expert outputs ``Y`` are not needed. On the CPU they walk the experts (slot ranges read on the host); on
+  any other device they walk row tiles of a static count (no host synchronisation).
 """
 from __future__ import annotations
 
@@ -89,32 +90,52 @@ def _check_ids(ids: Tensor, num_experts: int) -> None:
 
 
 def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> DispatchPlan:
-    """Build the :class:`DispatchPlan` with a stable sort (the ground truth the kernels must equal)."""
+    """Build the :class:`DispatchPlan` with a stable sort (the ground truth the kernels must equal).
+
+    Every size is a function of the shapes (the counts are found by a search in the sorted keys, the tiles
+    by a search in the running tile count), so this runs without host synchronisation on any device."""
     _check_ids(ids, num_experts)
     E = num_experts
+    dev = ids.device
     flat = ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     key = torch.where((flat >= 0) & (flat < E), flat, E)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    offsets = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    slots = torch.arange(num_pairs, device=ids.device)
-    slot_of = torch.full((num_pairs,), -1, dtype=torch.int64, device=ids.device)
-    routed = slots < offsets[E]
-    slot_of[order[routed]] = slots[routed]
+    sorted_key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(sorted_key, torch.arange(E + 1, device=dev))  # offsets[e] = #keys < e
+    slots = torch.arange(num_pairs, device=dev)
+    slot_of = torch.empty(num_pairs, dtype=torch.int64, device=dev)
+    slot_of[order] = torch.where(slots < offsets[E], slots, -1)  # order is a permutation: no duplicate writes
 
-    n_tiles = max_tiles(num_pairs, E, block_m)
-    tiles_per_expert = (counts + block_m - 1) // block_m
-    tile_expert = torch.repeat_interleave(torch.arange(E, device=ids.device), tiles_per_expert)
-    first_tile = torch.cumsum(tiles_per_expert, 0) - tiles_per_expert
-    tile_rank = torch.arange(tile_expert.numel(), device=ids.device) - first_tile[tile_expert]
-    tile_start = offsets[tile_expert] + tile_rank * block_m
-    pad = n_tiles - tile_expert.numel()
-    tile_expert = torch.cat([tile_expert, tile_expert.new_full((pad,), -1)])
-    tile_start = torch.cat([tile_start, tile_start.new_full((pad,), 0) + offsets[E]])
+    tiles = _row_tiles(offsets, max_tiles(num_pairs, E, block_m), block_m)
+    tile_expert = torch.where(tiles.used, tiles.expert, -1)
+    tile_start = torch.where(tiles.used, tiles.start, offsets[E])
     i32 = torch.int32
     return DispatchPlan(offsets.to(i32), order.to(i32), slot_of.to(i32), tile_expert.to(i32), tile_start.to(i32))
+
+
+class _RowTiles(NamedTuple):
+    """Row tiles of ``block`` slots over the experts' slot ranges, padded to a static count. Every field is
+    ``[n_tiles]`` int64; past the last used tile ``used`` is False and ``expert`` is clamped to ``E - 1``."""
+
+    used: Tensor
+    expert: Tensor  # expert of the tile (E - 1 for an unused tile)
+    start: Tensor  # first slot of the tile
+    end: Tensor  # one past the expert's last slot: the tile's rows are start .. min(start + block, end) - 1
+
+
+def _row_tiles(offsets: Tensor, n_tiles: int, block: int) -> _RowTiles:
+    """Expert ``e`` gets ``ceil(count_e / block)`` consecutive tiles, the experts in order; ``offsets`` is the
+    ``[E+1]`` int64 slot offsets. Found by a search in the running tile count (no data-dependent sizes)."""
+    E = offsets.numel() - 1
+    counts = offsets[1:] - offsets[:-1]
+    tiles_per_expert = (counts + block - 1) // block
+    tile_end = torch.cumsum(tiles_per_expert, 0)  # one past each expert's last tile
+    tile = torch.arange(n_tiles, device=offsets.device)
+    expert = torch.searchsorted(tile_end, tile, right=True)  # E past the last used tile
+    used = expert < E
+    expert = expert.clamp(max=E - 1)
+    rank = tile - (tile_end - tiles_per_expert)[expert]
+    return _RowTiles(used, expert, offsets[expert] + rank * block, offsets[expert + 1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,11 +343,14 @@ def moe_ffn_reference(x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertPa
 
 
 # ---------------------------------------------------------------------------------------------
-# The operator's plain-PyTorch implementation (CPU path), following the memory policy.
+# The operator's plain-PyTorch implementation, following the memory policy. Two formulations of the same
+# computation: on the CPU a walk of the experts whose slot ranges are read on the host (nothing to synchronise
+# with there, and one matrix product per expert); on any other device (CUDA takes this path for float64, which
+# the kernels do not take, or where Triton is missing) row tiles of a static count, each tile gathering its
+# expert's weights, so that no size depends on the data and nothing waits for the device.
 # ---------------------------------------------------------------------------------------------
 def _expert_ranges(plan: DispatchPlan) -> list[tuple[int, int, int]]:
-    # Host-side walk of the offsets: fine on the CPU, which has nothing to synchronise with. On CUDA the operator takes
-    # this path only for float64 or where Triton is missing (the kernels take 16-bit and float32 operands).
+    # a host-side walk of the offsets: the CPU formulation only (a host synchronisation anywhere else)
     off = plan.offsets.tolist()
     return [(e, off[e], off[e + 1]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
 
@@ -341,6 +365,50 @@ def preact_width(experts: ExpertParams) -> int:
     return 2 * h if experts.up is not None else h
 
 
+# Rows of one tile of the tiled formulation: each tile reads its expert's whole weights once, so the weight
+# traffic is (T*K / TILE_ROWS + E) times the experts' size; the padding is at most TILE_ROWS - 1 rows per expert.
+TILE_ROWS = 64
+# Bytes of per-chunk transients of the tiled formulation (the gathered weights dominate, with the backward's
+# per-tile weight gradients): a few hundred MB at d = 2048, h = 768 in float64 is 3 tiles a chunk.
+TILE_CHUNK_BUDGET = 256 << 20
+
+
+def _tiles_per_chunk(experts: ExpertParams, acc: torch.dtype, block: int, backward: bool,
+                     budget: int = TILE_CHUNK_BUDGET) -> int:
+    """Tiles computed at once so that their gathered weights (and, in the backward, their weight-gradient
+    partials) and row blocks stay within ``budget`` bytes; at least one."""
+    E, h, d = experts.gate.shape
+    mats = 3 if experts.up is not None else 2
+    item, acc_item = experts.gate.element_size(), torch.empty((), dtype=acc).element_size()
+    per_tile = mats * h * d * (item + (acc_item if backward else 0)) + block * (3 * d + 3 * mats * h) * acc_item
+    return max(1, budget // max(per_tile, 1))
+
+
+def _tile_chunks(plan: DispatchPlan, num_pairs: int, block: int, per_chunk: int):
+    """Yields ``(expert [C], slots [C, block], valid [C, block])`` over chunks of the row tiles; ``slots`` is
+    clamped into range where ``valid`` is False (the rows past an expert's end and the unused tiles)."""
+    E = plan.offsets.numel() - 1
+    n_tiles = max_tiles(num_pairs, E, block)
+    tiles = _row_tiles(plan.offsets.to(torch.int64), n_tiles, block)
+    rows = torch.arange(block, device=plan.offsets.device)
+    for c0 in range(0, n_tiles, per_chunk):
+        c1 = min(c0 + per_chunk, n_tiles)
+        slots = tiles.start[c0:c1, None] + rows
+        valid = tiles.used[c0:c1, None] & (slots < tiles.end[c0:c1, None])
+        yield tiles.expert[c0:c1], slots.clamp(max=num_pairs - 1), valid
+
+
+def _project_tiles(rows: Tensor, w: Tensor, b: Tensor | None, expert: Tensor) -> Tensor:
+    """``rows [C, n, in] @ w[expert].T (+ b[expert])`` with ``w [E, out, in]``: ``[C, n, out]``."""
+    out = torch.bmm(rows, w[expert].transpose(1, 2))
+    return out if b is None else out + b[expert][:, None, :]
+
+
+def _masked(valid: Tensor, v: Tensor) -> Tensor:
+    """``v [C, n, ...]`` with the invalid rows zero (whatever they held: NaN, inf or unwritten memory)."""
+    return torch.where(valid.view(*valid.shape, *([1] * (v.dim() - 2))), v, 0)
+
+
 def moe_ffn_forward_torch(
     x: Tensor,
     ids: Tensor,
@@ -352,17 +420,22 @@ def moe_ffn_forward_torch(
 ) -> tuple[Tensor, Tensor, DispatchPlan]:
     """Returns (y [T, d] in x's dtype, preact [T*K, 2h or h] or [0], plan).
 
-    Per expert: gather that expert's rows of x (a transient [n_e, d] block, freed at once), the up
-    projection(s) with their biases, the activation, the down projection, and a weighted accumulation
-    into a float32 output. ``preact`` (biases included) is written in slot order.
+    Per expert (per row tile off the CPU): gather that expert's rows of x (a transient block, freed at once),
+    the up projection(s) with their biases, the activation, the down projection, and a weighted accumulation
+    into a float32 (float64 for float64) output. ``preact`` (biases included) is written in slot order.
     """
     act = parse_activation(activation)
-    T, d = x.shape
-    K = ids.shape[1]
-    p = experts
-    E, h, _ = p.gate.shape
     if plan is None:
-        plan = dispatch_reference(ids, E)
+        plan = dispatch_reference(ids, experts.gate.shape[0])
+    run = _forward_by_expert if x.device.type == "cpu" else _forward_by_tile
+    y, preact = run(x, ids.shape[1], weights, experts, act, save_preact, plan)
+    return y, preact, plan
+
+
+def _forward_by_expert(x, K, weights, experts, act, save_preact, plan):
+    T, d = x.shape
+    p = experts
+    h = p.gate.shape[1]
     tok_of_slot = plan.token_index.to(torch.int64) // K
     w_flat = weights.reshape(-1)
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -380,7 +453,36 @@ def moe_ffn_forward_torch(
         y = _project(activation_forward(act, gate, up), p.down[e], _bias(p.down_bias, e))
         scale = w_flat[plan.token_index[lo:hi].to(torch.int64)].to(acc)
         out.index_add_(0, tok, y.to(acc) * scale[:, None])
-    return out.to(x.dtype), preact, plan
+    return out.to(x.dtype), preact
+
+
+def _forward_by_tile(x, K, weights, experts, act, save_preact, plan, block=TILE_ROWS, per_chunk=None):
+    """The forward over row tiles (no host synchronisation). Scatters go through ``index_put_(accumulate=True)``
+    (deterministic on CUDA): the invalid rows add zeros, each slot of ``preact`` gets one value onto zero."""
+    T, d = x.shape
+    p = experts
+    num_pairs = T * K
+    w_flat = weights.reshape(-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(T, d, dtype=acc, device=x.device)
+    preact = x.new_zeros((num_pairs, preact_width(p)) if save_preact else (0,))
+    if num_pairs == 0:
+        return out.to(x.dtype), preact
+    token_index = plan.token_index.to(torch.int64)
+    per_chunk = per_chunk or _tiles_per_chunk(p, acc, block, backward=False)
+    for e, slots, valid in _tile_chunks(plan, num_pairs, block, per_chunk):
+        pairs = token_index[slots]
+        tok = pairs // K
+        xe = _masked(valid, x[tok])
+        gate = _project_tiles(xe, p.gate, p.gate_bias, e)
+        up = None if p.up is None else _project_tiles(xe, p.up, p.up_bias, e)
+        if save_preact:
+            pre = gate if up is None else torch.cat([gate, up], dim=-1)
+            preact.index_put_((slots.flatten(),), _masked(valid, pre).flatten(0, 1), accumulate=True)
+        y = _project_tiles(activation_forward(act, gate, up), p.down, p.down_bias, e)
+        contrib = _masked(valid, y.to(acc) * w_flat[pairs].to(acc)[..., None])
+        out.index_put_((tok.flatten(),), contrib.flatten(0, 1), accumulate=True)
+    return out.to(x.dtype), preact
 
 
 def moe_ffn_backward_torch(
@@ -401,18 +503,22 @@ def moe_ffn_backward_torch(
     The routing-weight gradient is ``<dH', H> + <dy, b_down>`` per slot (dH' the gradient H gets with
     weight 1), so the expert outputs are never needed."""
     act = parse_activation(activation)
+    if recompute != (preact.dim() == 1):  # the forward's [0] under "recompute", [T*K, width] otherwise
+        raise ValueError(f"recompute={recompute} does not match preact of shape {tuple(preact.shape)}")
+    run = _backward_by_expert if x.device.type == "cpu" else _backward_by_tile
+    return run(grad_y, x, ids.shape[1], weights, experts, preact, plan, act, recompute)
+
+
+def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recompute):
     T, d = x.shape
-    K = ids.shape[1]
     p = experts
-    E, h, _ = p.gate.shape
+    h = p.gate.shape[1]
     tok_of_slot = plan.token_index.to(torch.int64) // K
     w_flat = weights.reshape(-1)
     acc = torch.promote_types(x.dtype, torch.float32)
     dx = torch.zeros(T, d, dtype=acc, device=x.device)
     dweights = torch.zeros(T * K, dtype=acc, device=x.device)
     grads = ExpertParams(*[None if t is None else torch.zeros_like(t) for t in p])
-    if recompute != (preact.dim() == 1):  # the forward's [0] under "recompute", [T*K, width] otherwise
-        raise ValueError(f"recompute={recompute} does not match preact of shape {tuple(preact.shape)}")
     for e, lo, hi in _expert_ranges(plan):
         pairs = plan.token_index[lo:hi].to(torch.int64)
         tok = tok_of_slot[lo:hi]
@@ -444,4 +550,59 @@ def moe_ffn_backward_torch(
             if grads.up_bias is not None:
                 grads.up_bias[e] = d_up.to(acc).sum(0).to(p.up_bias.dtype)
         dx.index_add_(0, tok, dxe.to(acc))
+    return dx.to(x.dtype), dweights.view(T, K).to(weights.dtype), grads
+
+
+def _backward_by_tile(grad_y, x, K, weights, experts, preact, plan, act, recompute, block=TILE_ROWS,
+                      per_chunk=None):
+    """The backward over row tiles (no host synchronisation). Each tile's weight gradients are partial sums,
+    added per expert in a float32 (float64) buffer in tile order; the invalid rows are zeroed before any product."""
+    T, d = x.shape
+    p = experts
+    h = p.gate.shape[1]
+    num_pairs = T * K
+    w_flat = weights.reshape(-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    dx = torch.zeros(T, d, dtype=acc, device=x.device)
+    dweights = torch.zeros(num_pairs, dtype=acc, device=x.device)
+    sums = ExpertParams(*[None if t is None else torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, acc),
+                                                             device=t.device) for t in p])
+    token_index = plan.token_index.to(torch.int64)
+    chunks = _tile_chunks(plan, num_pairs, block, per_chunk or _tiles_per_chunk(p, acc, block, backward=True))
+    for e, slots, valid in chunks if num_pairs else ():
+        pairs = token_index[slots]
+        tok = pairs // K
+        xe = _masked(valid, x[tok])
+        if recompute:
+            gate = _project_tiles(xe, p.gate, p.gate_bias, e)
+            up = None if p.up is None else _project_tiles(xe, p.up, p.up_bias, e)
+        else:
+            pre = _masked(valid, preact[slots])
+            gate, up = pre[..., :h], None if p.up is None else pre[..., h:]
+        hid = activation_forward(act, gate, up)
+        dout = _masked(valid, grad_y[tok])
+        d_hid_unscaled = torch.bmm(dout, p.down[e])  # dH' [C, n, h]
+        dw = (d_hid_unscaled.to(acc) * hid.to(acc)).sum(-1)
+        if p.down_bias is not None:
+            dw = dw + (dout.to(acc) * p.down_bias[e][:, None, :].to(acc)).sum(-1)
+        dweights.index_put_((pairs.flatten(),), _masked(valid, dw).flatten(), accumulate=True)
+        w_pair = _masked(valid, w_flat[pairs].to(dout.dtype))[..., None]
+        scaled = dout * w_pair
+        sums.down.index_put_((e,), torch.bmm(scaled.transpose(1, 2), hid).to(sums.down.dtype), accumulate=True)
+        if sums.down_bias is not None:
+            sums.down_bias.index_put_((e,), scaled.to(acc).sum(1).to(sums.down_bias.dtype), accumulate=True)
+        d_gate, d_up = activation_backward(act, gate, up, d_hid_unscaled * w_pair)
+        d_gate = _masked(valid, d_gate)
+        sums.gate.index_put_((e,), torch.bmm(d_gate.transpose(1, 2), xe).to(sums.gate.dtype), accumulate=True)
+        dxe = torch.bmm(d_gate, p.gate[e])
+        if sums.gate_bias is not None:
+            sums.gate_bias.index_put_((e,), d_gate.to(acc).sum(1).to(sums.gate_bias.dtype), accumulate=True)
+        if d_up is not None:
+            d_up = _masked(valid, d_up)
+            sums.up.index_put_((e,), torch.bmm(d_up.transpose(1, 2), xe).to(sums.up.dtype), accumulate=True)
+            dxe = dxe + torch.bmm(d_up, p.up[e])
+            if sums.up_bias is not None:
+                sums.up_bias.index_put_((e,), d_up.to(acc).sum(1).to(sums.up_bias.dtype), accumulate=True)
+        dx.index_put_((tok.flatten(),), _masked(valid, dxe.to(acc)).flatten(0, 1), accumulate=True)
+    grads = ExpertParams(*[None if s is None else s.to(t.dtype) for s, t in zip(sums, p)])
     return dx.to(x.dtype), dweights.view(T, K).to(weights.dtype), grads
