@@ -36,14 +36,14 @@ path runs chunks of ``chunk_tokens`` tokens. All output shapes are static functi
 
 ``kernel_options`` is ``config.encode_kernels`` of the :class:`~moeblaze_fx.config.KernelOptions` the kernels run
 with (``""``: the defaults), part of the call so that a compiled graph's forward and backward run with the options
-it was compiled with; the autograd formula hands the forward's to ``moe_ffn_backward``. The kernels are launched
+it was compiled with; the autograd formula hands the forward's to the backward operators. The kernels are launched
 inside ``kernels.autotune.using`` of the decoded options.
 
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
 bfloat16/float16/float32 by the Triton kernels in ``kernels/`` where they are available (float32 with exact IEEE
 products and one fixed configuration, ``kernels.autotune.FLOAT32_CONFIG``; never the Gluon kernels). The PyTorch
-path walks the experts on the host (``.tolist()`` of the plan's offsets): on CUDA only for float64, or without
-Triton.
+path walks the experts on the host on the CPU, and on CUDA (float64, or without Triton) runs row tiles of a static
+count with no host synchronisation (``kernels.reference``).
 """
 from __future__ import annotations
 

@@ -239,8 +239,8 @@ def kernel_configs(kind: str) -> list[KernelConfig]:
     elif kind == "dw":  # the gathered operand on A's side (dW_gate, dW_up computed transposed). H100, 2026-11-21
         # (docs/dw.md), raw launches, dW_down / dW_gate ms: 128x256 s7 C 0.98 / 0.95, D 1.17 / 1.11, A 7.57 / 8.64;
         # s5 C 0.96 / 0.97, D 1.10 / 1.13, A 7.46 / 8.11 (7 and 5 stages hold 4 and 3 tile buffers: the gathered
-        # rows' indices take a stage). 256x128 (s3 with the rows in registers, s7) 18-33 % slower on both; 128x128
-        # tiles 25-35 % slower (docs/dw.md)
+        # rows' indices take a stage). 256x128 tiles (s3 with the rows in registers, s7) lost on both
+        # launches, 1.14-1.20 ms at C (docs/dw.md)
         cfgs = [KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=7),
                 KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=5)]
     else:

@@ -28,7 +28,7 @@ An expert's last step, when ragged, copies ``b``'s rows with cp.async too, as ze
 rows there belong to the next expert, or are unrouted slots that nothing writes), as the Triton kernel masks them;
 those copies land under the A stage's barrier.
 
-H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 4-7 % at D, 1-3 % at A
+H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 6-7 % at D, 1-3 % at A
 (docs/dw.md). :func:`usable` says when a launch qualifies; everything else takes the
 Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. The kernel option ``gluon=False``
 turns it off (``down_sm90.enabled``).

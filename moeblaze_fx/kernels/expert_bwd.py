@@ -576,7 +576,7 @@ _expert_dh_act_tuned = autotune.tuned(_expert_dh_kernel, "dh_act", key=["d", "h"
 # Under "activations" the dh kernel runs as two launches: its GEMM alone, storing dH' into the w*H buffer, with
 # the wide tiles that the epilogue's registers rule out; then its epilogue, reading dH' back and overwriting it
 # with w*H. One more round trip of dH' through memory in x.dtype, and no more memory. H100, raw launches,
-# fused / split (docs/dh.md): C 1.47 / 1.29 ms, D 1.89 / 1.66, A 13.27 / 13.03, B 9.46 / 8.63.
+# fused / split (docs/dh.md): C 1.47 / 1.27 ms, D 1.89 / 1.65-1.73, A 13.19 / 12.87, B 9.38 / 8.59.
 # False: one fused launch (kept for comparisons; the tests keep it right).
 DH_SPLIT = True
 

@@ -1,6 +1,6 @@
 """Kernel launches without Triton's per-launch binding, once a launch's specialization is compiled.
 
-``kernel[grid](*args, **kwargs)`` spends 30-100 us of host time a launch in Triton 3.6 before the driver call: the
+``kernel[grid](*args, **kwargs)`` spends about 80 us of host time a launch in Triton 3.6 before the driver call: the
 binder specializes every argument, the cache key is built, the kernel's globals are checked, the launch metadata
 is made (H100, docs/host.md: 0.7 of the 1.3 ms that 14 launches take a layer step at
 config C). A step of a few milliseconds is then bound by its host.
