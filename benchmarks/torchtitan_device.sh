@@ -242,7 +242,9 @@ def operator_calls(run):
         rank = int(re.search(r"rank(\d+)_trace", path).group(1))
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-        calls[rank] = sum(1 for e in events if e.get("name") == "moeblaze::moe_ffn" and e.get("cat") == "cpu_op")
+        # host-side operator events (a kernel or runtime call never carries the operator's name)
+        calls[rank] = sum(1 for e in events if e.get("name") == "moeblaze::moe_ffn"
+                          and e.get("cat") not in ("kernel", "cuda_runtime", "gpu_memcpy", "gpu_memset"))
     return calls
 
 
