@@ -92,7 +92,10 @@ missing = []
 for name, stmt in checks.items():
     try:
         exec(stmt, {})
-        print(f"  ok       {name}")
+        top = stmt.split()[1].split(".")[0].replace(",", "")
+        mod = sys.modules.get(top)
+        where = getattr(mod, "__file__", None) or ""
+        print(f"  ok       {name:18s} {getattr(mod, '__version__', ''):12s} {where}")
     except Exception as e:  # noqa: BLE001 - report every failure the same way
         missing.append(name)
         print(f"  MISSING  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -113,8 +116,12 @@ install_wheels() {
         return
     fi
     # One wheel per distribution: pip refuses two versions at once.
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TT_TARGET" \
-        "${whl[@]}" 2>&1 | grep -v -i "warning: target directory" || true
+    if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TT_TARGET" \
+            "${whl[@]}" >"$TT_TARGET.pip.log" 2>&1; then
+        cat "$TT_TARGET.pip.log"
+        echo "error: pip could not install the carried wheels into $TT_TARGET (above)" >&2
+        exit 2
+    fi
     echo "installed ${#whl[@]} carried wheels into $TT_TARGET (searched after the machine's site-packages)"
 }
 
