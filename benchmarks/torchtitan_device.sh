@@ -26,10 +26,11 @@
 # Settings (environment): NGPU (2 or 4, default 2), STEPS (50), SEQ_LEN (2048), LOCAL_BATCH (4 sequences per GPU),
 # SEED (42), DETERMINISTIC (1: --debug.deterministic --debug.deterministic_warn_only), TOL_LOSS (2e-2: largest
 # allowed |loss difference| at any step), MOE_BLOCKS (8: MoE blocks of the debug model), PYTHON (python3),
-# WHL_DIR, PYARROW_DIR, TT_TARGET (/tmp/tt), MOEBLAZE_OPTIONS (passed on; the script adds a per-rank report path).
-# Writes OUTDIR/<run>/train.log (rank 0), OUTDIR/<run>/loss.tsv, OUTDIR/<run>/moeblaze_report_rank<R>.json,
-# OUTDIR/<run>/dump/profile_traces/iteration_<STEPS>/rank<R>_trace.json and OUTDIR/compare.txt, with
-# <run> = inductor, moeblaze. Exit status: 0 if the losses agree within TOL_LOSS and every rank ran the operator
+# WHL_DIR, PYARROW_DIR, TT_TARGET (/tmp/tt), SCRATCH (/tmp/tt_run: the text, the datasets cache, torchtitan's dump
+# folders with the profile traces, kept out of OUTDIR for their size), MOEBLAZE_OPTIONS (passed on; the script adds
+# a per-rank report path). Writes OUTDIR/<run>/train.log (rank 0), OUTDIR/<run>/loss.tsv,
+# OUTDIR/<run>/moeblaze_report_rank<R>.json and OUTDIR/compare.txt, with <run> = inductor, moeblaze; the traces
+# are SCRATCH/<run>/profile_traces/iteration_<STEPS>/rank<R>_trace.json. Exit status: 0 if the losses agree within TOL_LOSS and every rank ran the operator
 # in every MoE block; 1 if not; 2 if a run failed. On 2 or 4 H100s the two runs take well under 5 minutes.
 set -euo pipefail
 
@@ -60,8 +61,10 @@ PYTHON=${PYTHON:-python3}
 WHL_DIR=${WHL_DIR:-$repo/.whl/torchtitan}
 PYARROW_DIR=${PYARROW_DIR:-$repo/.whl/torchtitan_pyarrow}
 TT_TARGET=${TT_TARGET:-/tmp/tt}
+SCRATCH=${SCRATCH:-/tmp/tt_run}
 TT_VERSION=0.2.2
 export PYTHONUNBUFFERED=1
+export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$SCRATCH/hf_datasets_cache}
 
 for v in NGPU STEPS SEQ_LEN LOCAL_BATCH SEED MOE_BLOCKS; do
     [[ ${!v} =~ ^[0-9]+$ ]] || { echo "error: $v=${!v} is not a whole number" >&2; exit 2; }
@@ -151,7 +154,7 @@ train_args() {
     local backend=$1 dump=$2
     local args=(
         --model.name qwen3 --model.flavor debugmodel_moe --model.hf_assets_path "$WHL_DIR/assets/tokenizer"
-        --training.dataset c4_test --training.dataset_path "$out/data"
+        --training.dataset c4_test --training.dataset_path "$SCRATCH/data"
         --training.steps "$STEPS" --training.seq_len "$SEQ_LEN" --training.local_batch_size "$LOCAL_BATCH"
         --parallelism.data_parallel_shard_degree "$NGPU"
         --compile.enable --compile.components model --compile.backend "$backend"
@@ -186,7 +189,7 @@ runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
 
 parse_config() {  # the job config torchtitan parses from these arguments, or its error
     local backend=$1
-    mapfile -t args < <(train_args "$backend" "$out/$backend/dump")
+    mapfile -t args < <(train_args "$backend" "$SCRATCH/$backend")
     TT_TARGET=$TT_TARGET "$PYTHON" - "${args[@]}" <<'PY'
 import os, site, sys
 site.addsitedir(os.environ["TT_TARGET"])
@@ -202,8 +205,8 @@ PY
 
 run_one() {
     local backend=$1 dir=$out/$1
-    rm -rf "$dir"; mkdir -p "$dir"
-    mapfile -t args < <(train_args "$backend" "$dir/dump")
+    rm -rf "$dir" "${SCRATCH:?}/$backend"; mkdir -p "$dir"
+    mapfile -t args < <(train_args "$backend" "$SCRATCH/$backend")
     echo "== $backend: torchrun --nproc_per_node=$NGPU torchtitan.train ${args[*]}"
     local t0=$SECONDS rc=0 report_dir=""
     if [[ $backend == moeblaze ]]; then report_dir=$dir; fi
@@ -217,10 +220,10 @@ run_one() {
 }
 
 compare() {
-    "$PYTHON" - "$out" "$TOL_LOSS" "$MOE_BLOCKS" "$STEPS" <<'PY' | tee "$out/compare.txt"
+    "$PYTHON" - "$out" "$TOL_LOSS" "$MOE_BLOCKS" "$STEPS" "$SCRATCH" <<'PY' | tee "$out/compare.txt"
 import glob, json, math, os, re, sys
 
-out, tol, moe_blocks, steps = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, tol, moe_blocks, steps, scratch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 # torchtitan's metrics line: "step:  7  loss:  6.12345  grad_norm: ...", possibly behind a "[rank0]:" prefix
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
 
@@ -243,8 +246,8 @@ def losses(run):
 def operator_calls(run):
     """moeblaze::moe_ffn forward events per rank in the profiled last step (torchtitan's profile trace)."""
     calls = {}
-    pattern = os.path.join(out, run, "dump", "profile_traces", "iteration_*", "rank*_trace.json")
-    traces = sorted(glob.glob(pattern), key=lambda p: int(re.search(r"iteration_(\d+)", p).group(1)))
+    pattern = os.path.join(scratch, run, "profile_traces", "iteration_*", "**", "rank*_trace.json")
+    traces = sorted(glob.glob(pattern, recursive=True), key=lambda p: int(re.search(r"iteration_(\d+)", p).group(1)))
     for path in traces:  # the last iteration wins
         rank = int(re.search(r"rank(\d+)_trace", path).group(1))
         with open(path) as f:
@@ -311,7 +314,7 @@ check)
 dry-run)
     install_wheels
     modules_check || echo "note: modules missing (above): a training run would fail"
-    make_data "$out/data"
+    make_data "$SCRATCH/data"
     echo "== the job configs torchtitan parses"
     parse_config inductor
     parse_config moeblaze
@@ -326,7 +329,7 @@ train)
     ((ngpu_here >= NGPU)) || { echo "error: NGPU=$NGPU but this machine has $ngpu_here CUDA device(s)" >&2; exit 2; }
     install_wheels
     modules_check || { echo "error: torchtitan's needs are missing (above): carry their wheels (see --help)" >&2; exit 2; }
-    make_data "$out/data"
+    make_data "$SCRATCH/data"
     echo "moeblaze-fx at $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
     run_one inductor || exit 2
     run_one moeblaze || exit 2
