@@ -30,8 +30,9 @@
 # folders with the profile traces, kept out of OUTDIR for their size), MOEBLAZE_OPTIONS (passed on; the script adds
 # a per-rank report path). Writes OUTDIR/<run>/train.log (rank 0), OUTDIR/<run>/loss.tsv,
 # OUTDIR/<run>/moeblaze_report_rank<R>.json and OUTDIR/compare.txt, with <run> = inductor, moeblaze; the traces
-# are SCRATCH/<run>/profile_traces/iteration_<STEPS>/rank<R>_trace.json. Exit status: 0 if the losses agree within TOL_LOSS and every rank ran the operator
-# in every MoE block; 1 if not; 2 if a run failed. On 2 or 4 H100s the two runs take well under 5 minutes.
+# are SCRATCH/<run>/profile_traces/iteration_<STEPS>/rank<R>_trace.json. Exit status: 0 if the losses agree within
+# TOL_LOSS and every rank ran the operator in every MoE block; 1 if not; 2 if a run failed or could not start.
+# Sized for well under 5 minutes on 2 or 4 H100s (8192 tokens per GPU a step); not yet timed there.
 set -euo pipefail
 
 mode=train
