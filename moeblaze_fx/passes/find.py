@@ -347,7 +347,7 @@ def _counts_root(offs: fx.Node) -> Optional[fx.Node]:
     roots, stack, seen = set(), [offs], {offs}
     while stack:
         node = stack.pop()
-        counts = [i for i in node.all_input_nodes if _count_like(i)]
+        counts = [i for i in node.all_input_nodes if _count_like(i) and canonical_name(i) not in SHAPE_ONLY_NAMES]
         if role(node) == "collective" or node.op == "placeholder" or not counts:
             roots.add(node)
             continue
