@@ -437,7 +437,8 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
     N, d = out_val.shape
     body = set(cand.nodes)
     param_inputs = [n for n in cand.inputs if n in params]
-    data = [n for n in cand.inputs if n is not cand.ids and n not in params and isinstance(example_value(n), torch.Tensor)
+    data = [n for n in cand.inputs if n is not cand.ids and n not in params
+            and isinstance(example_value(n), torch.Tensor)
             and not all(u not in body or canonical_name(u) in SHAPE_ONLY_NAMES for u in n.users)]
     if len(data) != 1 or not example_value(data[0]).is_floating_point() or not (
             same_size(example_value(data[0]).shape[-1], d) and same_size(example_value(data[0]).numel(), N * d)):

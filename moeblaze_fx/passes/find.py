@@ -22,6 +22,12 @@ top-k picks) or attention (a sparse-attention indexer) selects no experts and is
 ``scatter`` into a dense map (Llama 4's router scores, but also top-k pooling) is ``quiet``: reported only if it is
 rewritten.
 
+Rows already grouped by expert, with counts (expert parallelism's local experts, between the token all-to-all and
+the all-to-all back; torchtitan's experts compiled on their own), have no top-k in their graph: a grouped product
+whose offsets come from counts a collective returned, or from a graph input, anchors a candidate at those counts
+(:func:`_count_grouped_candidates`), bounded the same way; the operator then runs with K = 1, unit weights and ids
+from the counts.
+
 Two kinds of candidate are reported instead of analysed further:
 
 * a block that **Dynamo split**: the graph ended at a graph break after the routing, with the ids or

@@ -2,7 +2,8 @@
 
 Structure (shapes and dtypes from fake tensors) is checked by ``extract``; here the region itself is
 cut out of the graph as a standalone function of its inputs and run on small random inputs at its
-traced sizes (ids drawn as distinct experts per token, the model's own expert weights), next to the
+traced sizes (ids drawn as distinct experts per token, the model's own expert weights; for rows grouped by counts,
+counts, rows and expert weights all drawn from one fixed seed, the same on every rank), next to the
 operator's reference under each layout hypothesis. A hypothesis is accepted only when the output
 *and* the gradients of x, the combine weights and every expert parameter agree within the dtype's
 tolerance. Wrong layouts, different activations, a detached weight or a dropped token all show up
@@ -145,7 +146,6 @@ def _grouped_inputs(cand: Candidate, ext: Extraction, gen: torch.Generator, T: i
         elif isinstance(val, torch.Tensor) and val.is_floating_point():  # a parameter
             shape = _concrete_shape(val)
             values[node] = _strided_like(val, torch.randn(shape, generator=gen, device=device) / shape[-1] ** 0.5)
-            values[node] = torch.nn.Parameter(values[node], requires_grad=val.requires_grad)
         elif isinstance(val, torch.SymInt) and same_size(val, ext.T):
             values[node] = T
         elif isinstance(val, (torch.SymInt, torch.Tensor)):
@@ -224,8 +224,7 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     args = []
     for node in cand.inputs:
         v = values[node]
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and (node in (ext.x, ext.weights) or node in real
-                                                                       or isinstance(v, torch.nn.Parameter)):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and (node in (ext.x, ext.weights) or node in real):
             v = v.detach().requires_grad_(True)
             leaves[node.name] = v
         args.append(v)

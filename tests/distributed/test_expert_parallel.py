@@ -19,7 +19,6 @@ prover replaced by one that fails the test.
 from __future__ import annotations
 
 import datetime
-import os
 import traceback
 
 import expecttest
@@ -57,7 +56,7 @@ def _route(x, router):
 
 
 def _expert(rows, w1, w3, w2, compute):
-    """One expert, its products in ``compute`` (torchtitan casts tokens and weights to bf16 for the grouped products)."""
+    """One expert, its products in ``compute`` (torchtitan casts tokens and weights to bf16 for grouped products)."""
     c = lambda t: t.to(compute)  # noqa: E731
     return F.linear(F.silu(F.linear(c(rows), c(w1))) * F.linear(c(rows), c(w3)), c(w2)).to(rows.dtype)
 
@@ -82,7 +81,8 @@ def permute_indices(counts, experts: int, ranks: int, rows: int):
     starts = group_start.view(ranks, experts).t().reshape(-1)
     out_ends = lengths.cumsum(0)
     position = torch.arange(rows, device=counts.device)
-    return position + (starts - (out_ends - lengths))[torch.searchsorted(out_ends, position, right=True)], by_rank.sum(0)
+    shift = starts - (out_ends - lengths)
+    return position + shift[torch.searchsorted(out_ends, position, right=True)], by_rank.sum(0)
 
 
 class ExpertParallelMoE(torch.nn.Module):
