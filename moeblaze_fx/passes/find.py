@@ -364,6 +364,9 @@ def _counts_root(offs: fx.Node) -> Optional[fx.Node]:
     if len(roots) != 1:
         return None
     root = roots.pop()
+    val = example_value(root)  # one count per group: ids [T, K] that a graph break made an input are no counts
+    if not (isinstance(val, torch.Tensor) and val.dim() == 1):
+        return None
     return root if role(root) == "collective" or root.op == "placeholder" else None
 
 
