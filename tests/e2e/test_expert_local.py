@@ -105,7 +105,7 @@ class TestGolden(expecttest.TestCase):
         torch.compile(GroupedExperts(2), backend="moeblaze", fullgraph=True, options={"inductor": False})(*_inputs(2))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 1 of 1 MoE candidate(s) rewritten
-  [0] rewritten tests/e2e/test_expert_local.py:67  grouped_mm over rows grouped by counts
+  [0] rewritten tests/e2e/test_expert_local.py:68  grouped_mm over rows grouped by counts
       T=23 d=16 h=24 E=4 K=1 bfloat16  policy=activations  saved for backward: 14.9 KB -> 3.1 KB
       layout: gate = w1, up = w3, down = w2; activation swiglu; check: numerical: forward and gradients within rel. error 1e-02 of the operator""")
 
