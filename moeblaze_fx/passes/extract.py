@@ -25,7 +25,7 @@ from .find import SHAPE_ONLY_NAMES, Candidate, example_value, same_size
 
 from .normalize import canonical_name, role
 
-__all__ = ["Extraction", "Role", "Layout", "Routing", "OUTPUT_WEIGHTED", "extract"]
+__all__ = ["Extraction", "Role", "Layout", "Routing", "OUTPUT_WEIGHTED", "extract", "ids_from_counts", "unit_weights"]
 
 
 @dataclasses.dataclass
@@ -155,8 +155,9 @@ OUTPUT_WEIGHTED = Routing()
 @dataclasses.dataclass
 class Extraction:
     x: fx.Node
-    weights: fx.Node
-    ids: fx.Node
+    # the combine weights [T, K]; None for rows grouped by counts (``Candidate.counts_grouped``: unit weights)
+    weights: Optional[fx.Node]
+    ids: fx.Node  # the ids [T, K]; for rows grouped by counts, the counts [G*E] (``ids_from_counts``)
     roles: list[Role]
     role_names: list[str]
     layouts: list[Layout]
@@ -411,8 +412,71 @@ def _activations(cand: Candidate, gated: bool) -> list[Activation]:
     return [act for act in found if not unaccounted(cand, act)]
 
 
+def ids_from_counts(counts: torch.Tensor, x: torch.Tensor, experts: int) -> torch.Tensor:
+    """The ids ``[N, 1]`` of rows ``x`` [N, d] grouped by ``counts`` [G*E]: row r is in group j where
+    ``offs[j-1] <= r < offs[j]`` (``offs = cumsum(counts)``), and group j holds expert ``j % E`` (G groups of the E
+    experts: one group when the rows are expert-major, one per source rank when rank-major, as the token all-to-all
+    of expert parallelism leaves them). Rows past the last offset get E, "no expert". Static shapes, no host sync."""
+    offs = torch.cumsum(counts.reshape(-1), 0)
+    group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+    return torch.where(group < offs.shape[0], group.remainder(experts), experts).reshape(-1, 1)
+
+
+def unit_weights(x: torch.Tensor) -> torch.Tensor:
+    """Combine weights ``[N, 1]`` of ones for rows ``x`` [N, d] (each row goes to one expert, unweighted)."""
+    return x.new_ones((x.shape[0], 1))
+
+
+def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
+    """Rows grouped by counts (``Candidate.counts_grouped``): the region reads rows [N, d], the counts and the expert
+    parameters; the operator's ids come from the counts, its weights are ones."""
+    counts_val, out_val = example_value(cand.ids), example_value(cand.output)
+    if counts_val.dim() != 1 or counts_val.is_floating_point() and counts_val.requires_grad:
+        return (f"the group counts have shape {tuple(counts_val.shape)}; expected one count per group [G*E]; "
+                "nothing can be changed")
+    N, d = out_val.shape
+    body = set(cand.nodes)
+    param_inputs = [n for n in cand.inputs if n in params]
+    data = [n for n in cand.inputs if n is not cand.ids and n not in params
+            and isinstance(example_value(n), torch.Tensor)
+            and not all(u not in body or canonical_name(u) in SHAPE_ONLY_NAMES for u in n.users)]
+    if len(data) != 1 or not example_value(data[0]).is_floating_point() or not (
+            same_size(example_value(data[0]).shape[-1], d) and same_size(example_value(data[0]).numel(), N * d)):
+        return (f"expected the grouped experts to read rows [N, d] besides the counts and parameters; they read "
+                f"{[(n.name, tuple(example_value(n).shape)) for n in data]}: another function than the operator's, "
+                "nothing can be changed")
+    if not param_inputs:
+        return ("the grouped experts read no parameters; make the expert weights parameters of the module "
+                "(nn.Parameter)")
+    found = _param_roles(param_inputs, name_of)
+    if isinstance(found, str):
+        return found
+    roles, role_names = found
+    E = int(roles[0].shape[0])
+    if isinstance(counts_val.shape[0], int) and counts_val.shape[0] % E:
+        return (f"{counts_val.shape[0]} group counts for {E} experts: the groups are not whole rounds of the "
+                "experts, nothing can be changed")
+    lay = _layouts(roles, role_names, int(d))
+    if isinstance(lay, str):
+        return lay
+    layouts, h = lay
+    activations = {gated: _activations(cand, gated) for gated in (True, False)}
+    layouts = [lay for lay in layouts if activations[lay.up is not None]]
+    if not layouts:
+        return (f"no supported expert activation computes what the experts call: "
+                f"{', '.join(sorted(_shaping(cand))) or 'no activation function'}; nothing can be changed")
+    dtype = compute_dtype(cand, example_value(data[0]).dtype)
+    if dtype not in _COMPUTE_DTYPES:
+        return (f"the experts compute in {dtype}, which the operator does not support ({_COMPUTE_DTYPES}); cast the "
+                "tokens and expert weights to one of those")
+    return Extraction(x=data[0], weights=None, ids=cand.ids, roles=roles, role_names=role_names, layouts=layouts,
+                      activations=activations[True] + activations[False], T=N, K=1, d=int(d), h=h, E=E, dtype=dtype)
+
+
 def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
     """An :class:`Extraction`, or the reason the candidate cannot be one."""
+    if cand.counts_grouped:
+        return _extract_counts_grouped(cand, params, name_of)
     ids = cand.ids
     ids_val = example_value(ids)
     out_val = example_value(cand.output)
@@ -505,6 +569,8 @@ def idiom(cand: Candidate) -> str:
     """A short name for how the region is spelled, from the roles of its nodes."""
     names = {canonical_name(n) for n in cand.nodes}
     roles = {role(n) for n in cand.nodes}
+    if cand.counts_grouped:
+        return "grouped_mm over rows grouped by counts"
     if "transformers::grouped_mm_fallback" in names:
         kind = "grouped_mm (transformers fallback)"
     elif "grouped_mm" in roles:

@@ -22,6 +22,12 @@ top-k picks) or attention (a sparse-attention indexer) selects no experts and is
 ``scatter`` into a dense map (Llama 4's router scores, but also top-k pooling) is ``quiet``: reported only if it is
 rewritten.
 
+Rows already grouped by expert, with counts (expert parallelism's local experts, between the token all-to-all and
+the all-to-all back; torchtitan's experts compiled on their own), have no top-k in their graph: a grouped product
+whose offsets come from counts a collective returned, or from a graph input, anchors a candidate at those counts
+(:func:`_count_grouped_candidates`), bounded the same way; the operator then runs with K = 1, unit weights and ids
+from the counts.
+
 Two kinds of candidate are reported instead of analysed further:
 
 * a block that **Dynamo split**: the graph ended at a graph break after the routing, with the ids or
@@ -46,7 +52,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from .normalize import ROLE_OF, canonical_name, example_value, role, shares_storage
 from .source import is_plumbing, short_path, source_of
@@ -75,6 +81,10 @@ class Candidate:
     # the ids only feed a scatter into a dense map (Llama 4's router scores, but also top-k pooling or a sparse mask):
     # an MoE only if it is proven one, and not reported otherwise
     quiet: bool = False
+    # rows grouped by expert with per-expert counts (expert parallelism's local experts, after the token all-to-all):
+    # ``topk`` and ``ids`` are then the counts [G*E] (G groups of the E experts, each row's group by offsets), the
+    # region reads no ids or combine weights (K = 1, unit weights), see :func:`_count_grouped_candidates`
+    counts_grouped: bool = False
 
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -231,6 +241,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             static.add(node)
 
     candidates = []
+    dispatched: list[tuple[Candidate, set[fx.Node]]] = []  # top-k regions left alone for collectives, bodies
     for topk in graph.nodes:
         if role(topk) != "topk":
             continue
@@ -287,6 +298,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         cand.output = out
         if collectives := _collectives(body):  # judged by structure: the proof would run them, on this rank only
             cand.reason = _collective_reason(collectives)
+            dispatched.append((cand, body))
             continue
         capacity = _capacity_bound(body)
         if capacity is not None:
@@ -312,6 +324,137 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         )
         # close the assert set over assert-only chains (sym_size -> ge -> _assert_scalar)
         cand.asserts = sorted(set(cand.asserts) | _reach(cand.asserts, _users, asserts), key=order.__getitem__)
+    candidates += _count_grouped_candidates(graph, candidates, dispatched, params, static, asserts, order)
+    return sorted(candidates, key=lambda c: order[c.topk])
+
+
+_CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+
+
+def _offsets_of(node: fx.Node) -> Optional[fx.Node]:
+    """The group offsets a grouped product reads (``torch._grouped_mm(a, b, offs=...)``), or None."""
+    if role(node) != "grouped_mm":
+        return None
+    offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+    return offs if isinstance(offs, fx.Node) else None
+
+
+def _count_like(node: fx.Node) -> bool:
+    """A tensor that can hold counts: integers, or a 1-D float that needs no gradient (``torch.histc``'s)."""
+    val = example_value(node)
+    return isinstance(val, torch.Tensor) and (not val.is_floating_point() or (val.dim() == 1 and not val.requires_grad))
+
+
+def _counts_root(offs: fx.Node) -> Optional[fx.Node]:
+    """The counts the offsets are computed from, when they come from outside the expert computation: the one
+    count-like tensor behind ``offs`` (through count-like tensors) that a collective returned (the counts all-to-all
+    of expert parallelism) or that is an input of the graph (the experts compiled on their own, as torchtitan
+    compiles them). None when the offsets come from the ids of a top-k in this graph (a top-k candidate's)."""
+    roots, stack, seen = set(), [offs], {offs}
+    while stack:
+        node = stack.pop()
+        counts = [i for i in node.all_input_nodes if _count_like(i) and canonical_name(i) not in SHAPE_ONLY_NAMES]
+        if role(node) == "collective" or node.op == "placeholder" or not counts:
+            roots.add(node)
+            continue
+        for i in counts:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    if len(roots) != 1:
+        return None
+    root = roots.pop()
+    val = example_value(root)  # one count per group: ids [T, K] that a graph break made an input are no counts
+    if not (isinstance(val, torch.Tensor) and val.dim() == 1):
+        return None
+    return root if role(root) == "collective" or root.op == "placeholder" else None
+
+
+def _is_sizes(val) -> bool:
+    scalar = (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return isinstance(val, scalar + (torch.Size,)) or (
+        isinstance(val, (list, tuple)) and len(val) > 0 and all(isinstance(v, scalar) for v in val))
+
+
+def _sizes_only(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that compute sizes (``counts.tolist()`` of split sizes, ``x.size()``), and those whose every user is
+    one: their data reaches the region as a size, which the proof and the operator take from the tensors they
+    read, not as data."""
+    only: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op in ("call_function", "call_method") and (
+                _is_sizes(example_value(node)) or (node.users and all(u in only for u in node.users))):
+            only.add(node)
+    return only
+
+
+def _count_grouped_candidates(graph: fx.Graph, found: list[Candidate], dispatched: list[tuple[Candidate, set[fx.Node]]],
+                              params: set[fx.Node], static: set[fx.Node], asserts: set[fx.Node],
+                              order: dict[fx.Node, int]) -> list[Candidate]:
+    """Expert computations over rows already grouped by expert, with counts: under expert parallelism, what a rank
+    computes between the token all-to-all and the all-to-all back (torchtitan: rank-major rows permuted to
+    expert-major, ``torch._grouped_mm`` with ``offs = cumsum(counts)``, un-permuted). It is the operator with K = 1,
+    unit weights and ids given by the counts (:func:`moeblaze_fx.passes.extract.ids_from_counts`); the all-to-alls
+    stay outside. Anchored at the counts (:func:`_counts_root`) of a grouped product that no top-k region holds, or
+    that only a region left alone for its collectives holds (that region is then quiet: its local part is reported
+    instead). The region is bounded as a top-k one is, from the counts, with edges into sizes left out (the split
+    sizes of the all-to-alls read the counts too): its output is where the counts' routes meet again in an [N, d]
+    float, N the grouped rows."""
+    held = {n for c in found for n in c.nodes}
+    exit_node = next(iter(reversed(graph.nodes)))
+    sizes = _sizes_only(graph)
+    ignore = asserts | sizes
+    static_tensors = {n for n in static if isinstance(example_value(n), torch.Tensor)}
+    by_root: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        offs = _offsets_of(node)
+        root = _counts_root(offs) if offs is not None and node not in held else None
+        if root is not None:
+            by_root.setdefault(root, []).append(node)
+
+    candidates = []
+    for root, products in by_root.items():
+        span = list(_between(root, exit_node))[:-1]
+        local_ipdom = collections.ChainMap({}, {exit_node: exit_node})
+        _fill_post_dominators(reversed([root] + span), local_ipdom, order, exit_node, ignore)
+        rows = example_value(products[0].args[0]).shape[0]
+        computed = _computed_from(root, exit_node, ignore)
+        out, body = None, set()
+        node = local_ipdom[root]
+        while node is not exit_node:
+            val = example_value(node)
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() == 2 and \
+                    same_size(val.shape[0], rows):
+                body = {node} | _reach([node], _inputs, computed - {root})
+                if all(p in body for p in products):
+                    out = node
+                    break
+            node = local_ipdom[node]
+        if out is None or _collectives(body):
+            continue  # the grouped rows never meet in one [N, d] output, or a collective runs among them
+        for outer, outer_body in dispatched:
+            if any(p in outer_body for p in products):
+                outer.quiet = True  # its local part below is reported (and rewritten) instead
+        cand = Candidate(topk=root, ids=root, output=out, counts_grouped=True)
+        candidates.append(cand)
+        _pull_in_support(body, root, params, static_tensors, num_tokens=rows, d=example_value(out).shape[-1])
+        # rows the products read straight from outside, cast there (torchtitan's x.bfloat16() for each product): the
+        # casts are the region's, the rows its input
+        body |= {i for n in list(body) for i in n.all_input_nodes if i not in body and canonical_name(i) in _CASTS
+                 and all(u in body for u in i.users)}
+        if collectives := _collectives(body):
+            cand.reason = _collective_reason(collectives)
+            continue
+        mutation = _update_of_read(body, root, out, asserts, order)
+        if mutation is not None:
+            cand.reason = (f"an in-place update ({canonical_name(mutation)}, node {mutation.name}) of a tensor the "
+                           "expert computation reads runs inside it; the operator, which runs at its output, would "
+                           "read it after the update. Make that update out of place or move it after the experts")
+            continue
+        cand.nodes = sorted(body, key=order.__getitem__)
+        cand.inputs = sorted({i for n in body for i in n.all_input_nodes if i not in body}, key=order.__getitem__)
+        guarded = {a for a in asserts if any(i in body for i in a.all_input_nodes)}
+        cand.asserts = sorted(guarded | _reach(guarded, _users, asserts), key=order.__getitem__)
     return candidates
 
 
@@ -328,8 +471,10 @@ def _collective_reason(nodes: list[fx.Node]) -> str:
     where = source_of(nodes[0])
     return (f"{EXPERT_PARALLEL}: it holds {len(nodes)} collective or opaque op(s) ({', '.join(names)}; first at "
             f"{where}), which are never run at compile time (every rank must run them alike), so the region is left "
-            "alone. The local expert computation between the all-to-alls is not rewritten yet, and nothing in the "
-            "model can change that: the block runs as compiled without the operator")
+            "alone. The local expert computation between the all-to-alls is rewritten on its own where the received "
+            "rows are grouped by expert with counts and the experts are grouped products over them "
+            "(torch._grouped_mm with offs = cumsum of the counts, torchtitan's); here it is not, so the block runs "
+            "as compiled without the operator")
 
 
 _TRANSFORMERS_FIX = ("for a transformers model whose experts take an implementation (model.set_experts_implementation "
@@ -731,10 +876,13 @@ def _pull_in_support(body: set[fx.Node], ids: fx.Node, params: set[fx.Node], sta
                     changed = True
 
 
-def size_hint(size) -> int:
-    """The concrete value behind a size that may be symbolic (torch 2.11 and 2.13 name this differently)."""
+def size_hint(size, unbacked: Optional[int] = None) -> int:
+    """The concrete value behind a size that may be symbolic (torch 2.11 and 2.13 name this differently);
+    ``unbacked``, when given, for a data-dependent size, which has none (else that raises)."""
     if isinstance(size, int):
         return size
+    if unbacked is not None and free_unbacked_symbols(size):
+        return unbacked
     try:
         from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint
     except ImportError:  # torch < 2.12

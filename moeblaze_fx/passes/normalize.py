@@ -25,9 +25,11 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["canonical_name", "example_value", "role", "normalize", "functional_setitem", "shares_storage", "ROLE_OF",
+__all__ = ["canonical_name", "example_value", "role", "normalize", "functional_setitem", "functional_copy",
+           "shares_storage", "ROLE_OF",
            "ASSERT_NAMES", "is_collective"]
 
 # --- the vocabulary --------------------------------------------------------------------------
@@ -126,6 +128,18 @@ def functional_setitem(base: torch.Tensor, index: Any, value: Any) -> torch.Tens
     return out
 
 
+def functional_copy(base: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Out-of-place ``base.copy_(src)``."""
+    out = base.clone()
+    out.copy_(src)
+    return out
+
+
+# Fresh buffers a ``copy_`` fills whole: how Dynamo traces an in-place collective into a buffer made for it
+# (``out = torch.empty_like(x); dist.all_to_all_single(out, x)``: the functional collective, then ``out.copy_``)
+_BUFFERS = frozenset({"empty_like", "empty", "new_empty", "zeros_like", "zeros", "new_zeros"})
+
+
 def operator_name(method: str) -> Optional[str]:
     """The ``operator`` function a dunder method stands for (``__eq__`` -> ``"eq"``, ``__and__`` -> ``"and_"``),
     else None: torch 2.11's Dynamo records ``ids == e`` as the method call ``.__eq__``, 2.13's as ``operator.eq``."""
@@ -217,6 +231,12 @@ def _mutation(node: fx.Node) -> Optional[tuple[Any, str]]:
     if (node.op == "call_method" and name.endswith("_") and not name.startswith("_")
             and name not in _NO_FUNCTIONAL_FORM and callable(getattr(torch.Tensor, name[:-1], None))):
         return name[:-1], "call_method"
+    if node.op == "call_method" and name == "copy_" and len(node.args) == 2 and not node.kwargs and all(
+            isinstance(a, fx.Node) for a in node.args) and canonical_name(node.args[0]) in _BUFFERS:
+        base, src = (example_value(a) for a in node.args)
+        if isinstance(base, torch.Tensor) and isinstance(src, torch.Tensor) and base.dtype == src.dtype and \
+                base.dim() == src.dim() and all(statically_known_true(a == b) for a, b in zip(base.shape, src.shape)):
+            return functional_copy, "call_function"
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         if isinstance(example_value(node.args[0]), torch.Tensor):
             return _INPLACE_OPERATORS[node.target], "call_function"

@@ -19,7 +19,7 @@ from ..report import RegionRecord
 from .extract import extract, idiom
 from .find import SUBGRAPH_OPS, example_value, find_candidates, size_hint, skipped_moe_block, subgraph_body
 from .normalize import normalize, operator_name
-from .prove import Proof, prove, traced_with_gradients
+from .prove import GROUPED_PROOF_ROWS, Proof, prove, traced_with_gradients
 from .rewrite import rewrite
 from .source import source_of
 
@@ -282,7 +282,7 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         record.layout = (f"{layout.describe(ext.role_names)}; {described + '; ' if described else ''}"
                          f"activation {act.spec}")
         itemsize = torch.empty((), dtype=ext.dtype).element_size()
-        t_hint = size_hint(ext.T)
+        t_hint = size_hint(ext.T, unbacked=GROUPED_PROOF_ROWS)  # data-dependent rows: counted as the proof ran them
         # traced with no gradient to compute: nothing is saved for a backward, so the forward need not write A|B
         with_grad = traced_with_gradients(cand)
         policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if with_grad else "recompute"
@@ -292,8 +292,10 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         x_val = example_value(ext.x)
         if with_grad:
             record.saved_bytes_after = saved_bytes_after(
-                t_hint, ext.d, ext.h, ext.K, itemsize, example_value(ext.ids).element_size(),
-                example_value(ext.weights).element_size(), policy, act.gated, ext.E,
+                t_hint, ext.d, ext.h, ext.K, itemsize,
+                *((example_value(ext.ids).element_size(), example_value(ext.weights).element_size())
+                  if ext.weights is not None else (8, itemsize)),  # rows grouped by counts: int64 ids, unit weights
+                policy, act.gated, ext.E,
                 plan_block_m(x_val.device, cfg.kernels, ext.dtype) if use_triton(x_val.to(ext.dtype)) else None,
             ) + (t_hint * ext.d * itemsize if routing.on_input else 0)  # the weighted tokens the operator keeps
         else:  # neither graph saves anything (the proof's meter ran with gradients on)

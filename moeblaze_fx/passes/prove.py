@@ -2,7 +2,8 @@
 
 Structure (shapes and dtypes from fake tensors) is checked by ``extract``; here the region itself is
 cut out of the graph as a standalone function of its inputs and run on small random inputs at its
-traced sizes (ids drawn as distinct experts per token, the model's own expert weights), next to the
+traced sizes (ids drawn as distinct experts per token, the model's own expert weights; for rows grouped by counts,
+counts, rows and expert weights all drawn from one fixed seed, the same on every rank), next to the
 operator's reference under each layout hypothesis. A hypothesis is accepted only when the output
 *and* the gradients of x, the combine weights and every expert parameter agree within the dtype's
 tolerance. Wrong layouts, different activations, a detached weight or a dropped token all show up
@@ -22,8 +23,8 @@ import torch.fx as fx
 
 from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
-from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
-from .find import Candidate, example_value, size_hint
+from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing, ids_from_counts
+from .find import Candidate, example_value, same_size, size_hint
 from .normalize import role
 
 __all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients", "is_mixed"]
@@ -121,6 +122,40 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
     return values
 
 
+# Rows the proof of a count-grouped region runs with when their number is data-dependent (the token all-to-all's
+# output): not a multiple of anything
+GROUPED_PROOF_ROWS = 29
+
+
+def _grouped_inputs(cand: Candidate, ext: Extraction, gen: torch.Generator, T: int) -> dict[fx.Node, Any]:
+    """Inputs of a region over rows grouped by counts (``Candidate.counts_grouped``), the same on every rank: rows,
+    counts summing to T over G*E groups (group 1 left empty), and the expert parameters drawn from ``gen`` too
+    (under expert parallelism each rank holds other experts; its own would make the decision rank-dependent)."""
+    device = example_value(ext.x).device
+    values: dict[fx.Node, Any] = {}
+    for node in cand.inputs:
+        val = example_value(node)
+        if node is ext.ids:
+            groups = val.shape[0]
+            member = torch.randint(0, groups, (T,), generator=gen, device=device)
+            if groups > 2:
+                member = torch.where(member == 1, 0, member)  # an empty group between two others
+            values[node] = torch.bincount(member, minlength=groups).to(val.dtype)
+        elif node is ext.x:
+            values[node] = torch.randn(T, ext.d, generator=gen, device=device).to(val.dtype).reshape(T, ext.d)
+        elif isinstance(val, torch.Tensor) and val.is_floating_point():  # a parameter
+            shape = _concrete_shape(val)
+            values[node] = _strided_like(val, torch.randn(shape, generator=gen, device=device) / shape[-1] ** 0.5)
+        elif isinstance(val, torch.SymInt) and same_size(val, ext.T):
+            values[node] = T
+        elif isinstance(val, (torch.SymInt, torch.Tensor)):
+            values[node] = size_hint(val) if isinstance(val, torch.SymInt) else torch.zeros(
+                _concrete_shape(val), dtype=val.dtype, device=val.device)
+        else:
+            values[node] = val
+    return values
+
+
 def is_mixed(ext: Extraction) -> bool:
     """Whether the tokens or an expert weight reach the experts in another dtype than the one they compute in."""
     dtypes = {example_value(ext.x).dtype} | {example_value(p).dtype for role in ext.roles for p in role.params}
@@ -166,14 +201,19 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         if node in real and isinstance(real[node], torch._subclasses.FakeTensor):
             return Proof(None, reason="the backend was given fake inputs, so the region cannot be run to check it; "
                                       "compile outside FakeTensorMode to have it checked and rewritten")
+    grouped = ext.weights is None  # rows grouped by counts: ids from the counts, unit weights
     try:
-        T = size_hint(ext.T)
+        T = size_hint(ext.T, unbacked=GROUPED_PROOF_ROWS if grouped else None)
     except Exception:  # an unbacked token count has no hint
         return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with; "
                                   "compile with a concrete token count (dynamic=False) to have it rewritten")
     region = region_module(gm, cand)
     gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
-    values = _inputs(cand, ext, real, gen)
+    try:
+        values = _grouped_inputs(cand, ext, gen, T) if grouped else _inputs(cand, ext, real, gen)
+    except Exception as exc:  # a size without a hint (unbacked, not the rows')
+        return Proof(None, reason=f"the region reads a size with no concrete value to check it with "
+                                  f"({type(exc).__name__}: {exc}); nothing can be changed")
     device = example_value(ext.x).device
     tol = tolerance(ext.dtype, device)
     # the tokens or a weight reach the experts in another dtype than the one they compute in (autocast, casts in
@@ -201,8 +241,12 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
     saved_before = meter.total
 
     x2d = by_node[ext.x].reshape(T, ext.d)
-    w2d = by_node[ext.weights].reshape(T, ext.K)
-    ids2d = by_node[ext.ids].reshape(T, ext.K)
+    if grouped:
+        ids2d = ids_from_counts(by_node[ext.ids], x2d, ext.E)
+        w2d = x2d.detach().new_ones((T, 1))
+    else:
+        w2d = by_node[ext.weights].reshape(T, ext.K)
+        ids2d = by_node[ext.ids].reshape(T, ext.K)
     if y_region.numel() != T * ext.d:
         return Proof(None, reason=f"the region's output has {y_region.numel()} elements, expected T*d = "
                                   f"{T * ext.d}; nothing can be changed")

@@ -14,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing
+from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing, ids_from_counts, unit_weights
 from .find import Candidate, example_value
 
 __all__ = ["rewrite"]
@@ -55,8 +55,10 @@ def rewrite(gm: fx.GraphModule, cand: Candidate, ext: Extraction, layout: Layout
         x2d = _as_2d(ext.x, ext.d, call)
         if x_val.dtype != ext.dtype:  # the casts the region made (autocast's at dispatch, or written in forward)
             x2d = call("to", x2d, ext.dtype)
-        ids2d = _as_2d(ext.ids, ext.K, call)
-        w2d = _as_2d(ext.weights, ext.K, call)
+        if ext.weights is None:  # rows grouped by counts: each row's expert from the counts, unweighted
+            ids2d, w2d = call(ids_from_counts, ext.ids, x2d, ext.E), call(unit_weights, x2d)
+        else:
+            ids2d, w2d = _as_2d(ext.ids, ext.K, call), _as_2d(ext.weights, ext.K, call)
         if routing.fn == "sigmoid":  # as Routing.apply
             w2d = call("to", call(torch.sigmoid, call("float", w2d)), example_value(w2d).dtype)
         if routing.on_input:

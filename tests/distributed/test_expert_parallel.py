@@ -1,20 +1,24 @@
-"""Expert parallelism: a candidate region holding collectives is left alone, and nothing runs them at compile time.
+"""Expert parallelism: the local expert computation is rewritten, the collectives stay as written and nothing runs
+them at compile time.
 
-A torchtitan-style expert-parallel block (router top-k; the counts all-to-all; the token all-to-all; the
-rank-to-local-expert permute; the local experts' products; the all-to-all back; the un-permute and the combine) is
-compiled with ``backend="moeblaze"`` on 2 gloo ranks (spawned processes on 127.0.0.1, with timeouts so a desync fails
-instead of hanging). Each rank checks its output and gradients against an uncompiled single-process reference (every
-expert on one process, the same weights) and that the report left the region alone for "expert-parallel dispatch
-inside the region", counted exactly. Issue 40: the proof used to run the seven collectives at compile time,
-differently on each rank, and the ranks fell out of step.
+A torchtitan-style expert-parallel block is compiled with ``backend="moeblaze"`` on 2 gloo ranks (spawned processes,
+a file store, timeouts so a desync fails instead of hanging): the router's top-k; the counts all-to-all; the token
+all-to-all over ``.tolist()`` splits; the rank-major rows permuted expert-major by indices computed from the counts
+(``searchsorted``); ``torch._grouped_mm`` over the local experts with ``offs = cumsum`` of their counts and torchtitan's
+bf16 casts; the un-permute (``new_empty`` + index assignment); the all-to-all back; the un-sort and the combine.
+(torchtitan: distributed/expert_parallel.py, models/common/moe/{moe,utils}.py, read late 2026; rewritten here, no
+padding, as its bf16 path has none.) The region from the top-k holds the collectives and is left alone; the local part
+between the all-to-alls is the operator with K = 1, unit weights and ids from the counts, and is rewritten on every
+rank, proven on inputs that are the same on every rank. Each rank checks its output and every gradient against an
+uncompiled single-process reference (every expert on one process, the same weights). The per-expert loop torchtitan
+keeps for comparison (split sizes from ``.tolist()``) is not rewritten: its region is reported left alone.
 
-A unit test without processes checks the same decision on a graph holding a ``_c10d_functional`` op, with the prover
-replaced by one that fails the test.
+A unit test without processes checks the collective decision on a graph holding a ``_c10d_functional`` op, with the
+prover replaced by one that fails the test.
 """
 from __future__ import annotations
 
 import datetime
-import os
 import traceback
 
 import expecttest
@@ -51,30 +55,42 @@ def _route(x, router):
     return w / w.sum(-1, keepdim=True), ids
 
 
-def _experts(x, counts, w1, w3, w2):
-    """Local experts over rows grouped by expert (``counts`` a list of sizes)."""
-    outs = []
-    for e, rows in enumerate(torch.split(x, counts)):
-        outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
-    return torch.cat(outs)
+def _expert(rows, w1, w3, w2, compute):
+    """One expert, its products in ``compute`` (torchtitan casts tokens and weights to bf16 for grouped products)."""
+    c = lambda t: t.to(compute)  # noqa: E731
+    return F.linear(F.silu(F.linear(c(rows), c(w1))) * F.linear(c(rows), c(w3)), c(w2)).to(rows.dtype)
 
 
-def reference(x, weights):
+def reference(x, weights, compute=None):
     """Every expert on one process: the same function without collectives."""
     w, ids = _route(x, weights["router"])
     out = torch.zeros_like(x)
     for e in range(E):
         tok, slot = torch.where(ids == e)
-        y = F.linear(F.silu(F.linear(x[tok], weights["w1"][e])) * F.linear(x[tok], weights["w3"][e]),
-                     weights["w2"][e])
+        y = _expert(x[tok], weights["w1"][e], weights["w3"][e], weights["w2"][e], compute or x.dtype)
         out = out.index_add(0, tok, y * w[tok, slot, None])
     return out
 
 
-class ExpertParallelMoE(torch.nn.Module):
-    """torchtitan's expert-parallel MoE, reduced: this rank holds experts [rank*E/ep, (rank+1)*E/ep)."""
+def permute_indices(counts, experts: int, ranks: int, rows: int):
+    """Rank-major received rows (``counts`` [ranks * experts]) to expert-major: the row each position reads, and the
+    per-expert counts (torchtitan's _generate_permute_indices, without host sync)."""
+    group_start = counts.cumsum(0) - counts
+    by_rank = counts.view(ranks, experts)
+    lengths = by_rank.t().reshape(-1)
+    starts = group_start.view(ranks, experts).t().reshape(-1)
+    out_ends = lengths.cumsum(0)
+    position = torch.arange(rows, device=counts.device)
+    shift = starts - (out_ends - lengths)
+    return position + shift[torch.searchsorted(out_ends, position, right=True)], by_rank.sum(0)
 
-    def __init__(self, weights, rank: int, world: int, collectives: str):
+
+class ExpertParallelMoE(torch.nn.Module):
+    """torchtitan's expert-parallel MoE, reduced: this rank holds experts [rank*E/ep, (rank+1)*E/ep).
+    ``experts``: "grouped_mm" (torchtitan's default, bf16 products) or "loop" (its per-expert loop over split sizes
+    from ``.tolist()``, float32); ``collectives``: how the counts all-to-all is spelled."""
+
+    def __init__(self, weights, rank: int, world: int, collectives: str, experts: str):
         super().__init__()
         local = slice(rank * E // world, (rank + 1) * E // world)
         self.router = torch.nn.Parameter(weights["router"].clone())
@@ -82,13 +98,24 @@ class ExpertParallelMoE(torch.nn.Module):
         self.w3 = torch.nn.Parameter(weights["w3"][local].clone())
         self.w2 = torch.nn.Parameter(weights["w2"][local].clone())
         self.world = world
-        self.collectives = collectives
+        self.collectives, self.experts = collectives, experts
 
     def _all_to_all(self, t, out_splits, in_splits):
         # torch.distributed.nn.functional.all_to_all_single (the autograd c10d one) raises under torch.compile
         # (torch 2.13 names the functional one instead): the tokens go through the functional collective always
         from torch.distributed._functional_collectives import all_to_all_single_autograd
         return all_to_all_single_autograd(t, out_splits, in_splits, dist.group.WORLD)
+
+    def _grouped_mm(self, rows, per_expert):
+        offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(rows)
+
+    def _loop(self, rows, per_expert):
+        outs = [_expert(part, self.w1[e], self.w3[e], self.w2[e], rows.dtype)
+                for e, part in enumerate(torch.split(rows, per_expert.tolist()))]
+        return torch.cat(outs)
 
     def forward(self, x):
         ep, local = self.world, E // self.world
@@ -97,25 +124,23 @@ class ExpertParallelMoE(torch.nn.Module):
         counts = torch.histc(flat.float(), bins=E, min=0, max=E).to(torch.int64)
         order = torch.argsort(flat, stable=True)
         routed = x[order // K]
-        # the counts all-to-all: how many rows each rank sends this rank, per local expert
-        if self.collectives == "functional":
-            from torch.distributed._functional_collectives import all_to_all_single
-            counts_recv = all_to_all_single(counts, None, None, dist.group.WORLD)
-        else:
-            counts_recv = torch.empty_like(counts)
-            dist.all_to_all_single(counts_recv, counts)
-        send = counts.view(ep, local).sum(1).tolist()
-        recv_by_rank = counts_recv.view(ep, local)
-        recv = recv_by_rank.sum(1).tolist()
-        # the token all-to-all
-        received = self._all_to_all(routed, recv, send)
-        # rank-major -> local-expert-major
-        expert_of_row = torch.arange(ep * local).remainder(local).repeat_interleave(
-            recv_by_rank.reshape(-1), output_size=received.shape[0])
-        permute = torch.argsort(expert_of_row, stable=True)
-        per_expert = recv_by_rank.sum(0).tolist()
-        y = _experts(received[permute], per_expert, self.w1, self.w3, self.w2)
-        unpermuted = torch.empty_like(y).index_copy(0, permute, y)
+        with torch.no_grad():  # the counts all-to-all: how many rows each rank sends this rank, per local expert
+            if self.collectives == "functional":
+                from torch.distributed._functional_collectives import all_to_all_single
+                counts_recv = all_to_all_single(counts, None, None, dist.group.WORLD)
+                counts_recv = torch.ops._c10d_functional.wait_tensor(counts_recv)
+            else:
+                counts_recv = torch.empty_like(counts)
+                dist.all_to_all_single(counts_recv, counts)
+            send = counts.view(ep, local).sum(1).tolist()
+            recv = counts_recv.view(ep, local).sum(1).tolist()
+        received = self._all_to_all(routed, recv, send)  # the token all-to-all
+        with torch.no_grad():
+            permute, per_expert = permute_indices(counts_recv, local, ep, received.shape[0])
+        experts = self._grouped_mm if self.experts == "grouped_mm" else self._loop
+        y = experts(received[permute, :], per_expert)
+        unpermuted = y.new_empty(received.shape)
+        unpermuted[permute, :] = y
         # the all-to-all back, then un-sort and combine over the K choices
         back = self._all_to_all(unpermuted, send, recv)
         unsorted = torch.empty_like(back).index_copy(0, order, back)
@@ -126,7 +151,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _rank_main(rank: int, store: str, collectives: str, dtype: torch.dtype, results) -> None:
+def _rank_main(rank: int, store: str, collectives: str, experts: str, dtype: torch.dtype, results) -> None:
     """One rank: compile the expert-parallel block, run forward and backward, compare with the single-process
     reference on this rank's tokens, and send back what the report said."""
     try:
@@ -136,7 +161,7 @@ def _rank_main(rank: int, store: str, collectives: str, dtype: torch.dtype, resu
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         weights = {k: v.to(dtype) for k, v in _weights().items()}
-        model = ExpertParallelMoE(weights, rank, WORLD, collectives)
+        model = ExpertParallelMoE(weights, rank, WORLD, collectives, experts)
         x = _tokens(rank).to(dtype).requires_grad_(True)
         counters.clear()
         # .tolist() of the split sizes stays in the graph as unbacked sizes (torchtitan compiles so too)
@@ -145,12 +170,13 @@ def _rank_main(rank: int, store: str, collectives: str, dtype: torch.dtype, resu
             out = compiled(x)
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + rank)).to(dtype)
         out.backward(grad_out)
-        report = [(r.status, r.reason) for r in last_report()]
+        report = [(r.status, r.reason, r.idiom) if r.status == "rewritten" else (r.status, r.reason)
+                  for r in last_report()]
 
         # the reference: all experts on this process, the same weights, this rank's tokens
         ref_weights = {k: v.clone().requires_grad_(True) for k, v in weights.items()}
         x_ref = x.detach().clone().requires_grad_(True)
-        want = reference(x_ref, ref_weights)
+        want = reference(x_ref, ref_weights, torch.bfloat16 if experts == "grouped_mm" else None)
         want.backward(grad_out)
         local = slice(rank * E // WORLD, (rank + 1) * E // WORLD)
         errors = {"out": _rel(out.detach(), want.detach()), "x": _rel(x.grad, x_ref.grad)}
@@ -172,18 +198,22 @@ def _rank_main(rank: int, store: str, collectives: str, dtype: torch.dtype, resu
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])  # bf16: where the
-# ranks' compile-time proofs fell out of step first (issue 40)
-@pytest.mark.parametrize("collectives", ["functional", "c10d"],
-                         ids=["functional_all_to_all", "dist_all_to_all_counts"])
-def test_expert_parallel_block_is_left_alone_on_every_rank(collectives, dtype, tmp_path):
-    """torch.distributed.all_to_all_single (in place, for the counts) is traced by Dynamo as the functional
-    collective plus a copy_; torch.distributed.nn.functional's autograd one raises under torch.compile on torch 2.13,
-    so the tokens always take the functional autograd collective."""
+@pytest.mark.parametrize("collectives,experts,dtype", [
+    ("functional", "grouped_mm", torch.float32),  # torchtitan's: float32 weights, bf16 grouped products
+    ("c10d", "grouped_mm", torch.float32),  # the counts through torch.distributed.all_to_all_single, in place
+    ("functional", "grouped_mm", torch.bfloat16),  # bf16 weights: where the ranks' proofs fell out of step (issue 40)
+    ("functional", "loop", torch.float32),  # torchtitan's per-expert loop over .tolist() splits: left alone
+], ids=["grouped_mm-float32", "grouped_mm-dist_all_to_all_counts", "grouped_mm-bfloat16", "loop-float32"])
+def test_expert_parallel_block_on_every_rank(collectives, experts, dtype, tmp_path):
+    """Exact counters and report on each rank: the local grouped products rewritten (the region from the top-k, which
+    holds the collectives, is then not reported), or for the loop the region left alone for its collectives.
+    torch.distributed.all_to_all_single (in place, for the counts) is traced by Dynamo as the functional collective
+    plus a copy_; torch.distributed.nn.functional's autograd one raises under torch.compile on torch 2.13, so the
+    tokens always take the functional autograd collective."""
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     store = str(tmp_path / "store")  # a file store: no port to race for with other test processes
-    procs = [ctx.Process(target=_rank_main, args=(r, store, collectives, dtype, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, store, collectives, experts, dtype, results), daemon=True)
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -200,11 +230,16 @@ def test_expert_parallel_block_is_left_alone_on_every_rank(collectives, dtype, t
     for rank in range(WORLD):
         report, counts, errors, failure = got[rank]
         assert failure is None, f"rank {rank} failed:\n{failure}"
-        assert counts == {"skipped": 1}, f"rank {rank}: {counts}"
-        assert len(report) == 1 and report[0][0] == "skipped", f"rank {rank}: {report}"
-        assert report[0][1].startswith("expert-parallel dispatch inside the region: "), report[0][1]
-        assert "all_to_all_single" in report[0][1] and "not rewritten yet" in report[0][1]
-        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        if experts == "grouped_mm":
+            assert counts == {"rewritten": 1}, f"rank {rank}: {counts}"
+            assert report == [("rewritten", None, "grouped_mm over rows grouped by counts")], f"rank {rank}: {report}"
+        else:
+            assert counts == {"skipped": 1}, f"rank {rank}: {counts}"
+            assert len(report) == 1 and report[0][0] == "skipped", f"rank {rank}: {report}"
+            assert report[0][1].startswith("expert-parallel dispatch inside the region: "), report[0][1]
+            assert "all_to_all_single" in report[0][1] and "here it is not" in report[0][1]
+        # bf16 products (the reference computes its products in bf16 too, expert by expert)
+        tol = 1e-5 if experts == "loop" else 3e-2
         bad = {k: v for k, v in errors.items() if v > tol}
         assert not bad, f"rank {rank}: relative errors above {tol}: {bad}"
 
@@ -235,8 +270,8 @@ class TestGolden(expecttest.TestCase):
         torch.compile(WaitInTheExperts(), backend="moeblaze", fullgraph=True, options={"inductor": False})(_tokens(0))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.report.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
-  [0] skipped   tests/distributed/test_expert_parallel.py:229  -
-      reason: expert-parallel dispatch inside the region: it holds 4 collective or opaque op(s) (_c10d_functional::wait_tensor; first at tests/distributed/test_expert_parallel.py:227), which are never run at compile time (every rank must run them alike), so the region is left alone. The local expert computation between the all-to-alls is not rewritten yet, and nothing in the model can change that: the block runs as compiled without the operator""")
+  [0] skipped   tests/distributed/test_expert_parallel.py:264  -
+      reason: expert-parallel dispatch inside the region: it holds 4 collective or opaque op(s) (_c10d_functional::wait_tensor; first at tests/distributed/test_expert_parallel.py:262), which are never run at compile time (every rank must run them alike), so the region is left alone. The local expert computation between the all-to-alls is rewritten on its own where the received rows are grouped by expert with counts and the experts are grouped products over them (torch._grouped_mm with offs = cumsum of the counts, torchtitan's); here it is not, so the block runs as compiled without the operator""")
 
 
 def test_collective_in_region_is_never_proven():
