@@ -64,6 +64,8 @@ RESULT_MARK = "HF_SURVEY_RESULT "
 MOE_PATTERN = (r"use_experts_implementation|num_local_experts|n_routed_experts|moe_num_experts|num_experts_per_tok"
                r"|moe_topk")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # this checkout's moeblaze_fx (the one run_versions names), not an installed copy
+    sys.path.insert(0, REPO)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Tiny configs. GENERIC sets every size-like field a family may have; make() passes only the fields the family's config
