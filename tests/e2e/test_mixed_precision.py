@@ -325,3 +325,25 @@ def test_wrong_candidate_fails_at_the_compute_dtype_tolerance(block, wrong):
     # tolerance, which correct bf16 regions stay an order of magnitude below (rewritten at rel. error ~1e-2)
     err = float(record.reason.split("relative error ")[1].split(" ")[0])
     assert err > tolerance(torch.bfloat16, torch.device("cpu")), record.reason
+
+
+@pytest.mark.parametrize("block", ["gpt_oss", "modulelist_bias"])
+def test_parametrized_casts_with_expert_biases_are_rewritten(block):
+    """Every parameter read through a cast to bf16 (torch.nn.utils.parametrize): the biases are matched to their
+    weights by the parameters' own names (``experts.parametrizations.down_proj_bias.original`` is down_proj's bias).
+    Left alone before ("the expert biases ... do not match the expert weights")."""
+    import torch.nn.utils.parametrize as parametrize
+    from test_variants import GptOssStyleMoE, ModuleListMoE
+
+    class CastTo(nn.Module):
+        def forward(self, weight):
+            return weight.to(torch.bfloat16)
+
+    torch.manual_seed(0)
+    model = GptOssStyleMoE() if block == "gpt_oss" else ModuleListMoE(act="swiglu", bias=True)
+    for module in list(model.modules()):
+        for name, _ in list(module.named_parameters(recurse=False)):
+            parametrize.register_parametrization(module, name, CastTo(), unsafe=True)
+    got = run_under_autocast(model, (_x().to(torch.bfloat16).requires_grad_(True),), None, tol=TOL[torch.bfloat16])
+    assert got == {"rewritten": 1}
+    assert _records() == [("rewritten", "bfloat16")]
