@@ -51,10 +51,21 @@ import traceback
 
 IMPLS = ("grouped_mm", "batched_mm")
 WRONG_ABOVE = 1e-4
+# The precisions a step runs in, with the relative error against eager in the same precision above which a tensor is
+# looked at again (for the mixed ones: the bf16 rounding of a tiny model's step, as tests/helpers.py's TOL):
+# fp32: float32 parameters and compute;
+# autocast-bf16: float32 parameters, the forward under torch.autocast("cpu", torch.bfloat16), the backward after it
+#   (Hugging Face Trainer's bf16=True, Accelerate, Lightning);
+# casts-bf16: float32 parameters, each cast to bfloat16 where forward reads it (torch.nn.utils.parametrize with a
+#   cast: the graph holds ``.to(torch.bfloat16)`` of every weight, as torchtitan's casts in forward or FSDP2's
+#   MixedPrecisionPolicy give it), gradients back in float32.
+PRECISIONS = {"fp32": WRONG_ABOVE, "autocast-bf16": 4e-2, "casts-bf16": 4e-2}
 RESULT_MARK = "HF_SURVEY_RESULT "
 MOE_PATTERN = (r"use_experts_implementation|num_local_experts|n_routed_experts|moe_num_experts|num_experts_per_tok"
                r"|moe_topk")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # this checkout's moeblaze_fx (the one run_versions names), not an installed copy
+    sys.path.insert(0, REPO)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Tiny configs. GENERIC sets every size-like field a family may have; make() passes only the fields the family's config
@@ -199,14 +210,43 @@ def _too_large(cfg, cls, n_params: int, max_params: int) -> str:
             f"tiny overrides (limit {max_params / 1e6:,.0f}M)")
 
 
-def run_one(family: str, impl: str, max_params: int) -> dict:
-    """Eager step vs moeblaze-compiled step of the family's tiny model. Returns the result record."""
+def _cast_to(dtype):
+    """A parametrization that casts a float32 parameter where forward reads it (casts in forward)."""
+    import torch
+
+    class CastTo(torch.nn.Module):
+        def forward(self, weight):
+            return weight.to(dtype)
+
+    return CastTo()
+
+
+def _cast_in_forward(model, dtype) -> None:
+    """Every floating-point parameter of ``model`` read through a cast to ``dtype`` (the parameter stays float32)."""
+    import torch.nn.utils.parametrize as parametrize
+
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point():
+                parametrize.register_parametrization(module, name, _cast_to(dtype), unsafe=True)
+
+
+def _plain_name(name: str) -> str:
+    """A parametrized parameter's name as it was before (``a.parametrizations.w.original`` -> ``a.w``)."""
+    return name.replace("parametrizations.", "").replace(".original", "")
+
+
+def run_one(family: str, impl: str, max_params: int, precision: str = "fp32") -> dict:
+    """Eager step vs moeblaze-compiled step of the family's tiny model, both in ``precision``. Returns the result
+    record."""
+    import contextlib
+
     import torch
     from torch._dynamo.utils import counters
 
     import moeblaze_fx
 
-    res: dict = dict(family=family, impl=impl)
+    res: dict = dict(family=family, impl=impl, precision=precision)
     stage = "build"
     try:
         cfg = make(family)
@@ -239,23 +279,35 @@ def run_one(family: str, impl: str, max_params: int) -> dict:
 
         tokens = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         causal = "CausalLM" in cls.__name__
+        mixed = precision != "fp32"
+        # the same step in float32 (no autocast, no casts): a mixed-precision tensor off eager is judged by its
+        # distance from this one
+        float32_copy = copy.deepcopy(model) if mixed else None
+        if precision == "casts-bf16":
+            _cast_in_forward(model, torch.bfloat16)
         compiled_copy = copy.deepcopy(model)
 
-        def step(module, params) -> torch.Tensor:
+        def step(module, params, autocast=precision == "autocast-bf16") -> torch.Tensor:
             for p in params:
                 p.grad = None
-            if causal:
-                loss = module(tokens, labels=tokens, use_cache=False).loss
-            else:  # a base model: a fixed linear functional of the last hidden state
-                h = module(tokens, use_cache=False).last_hidden_state
-                loss = (h * torch.linspace(-1, 1, h.numel()).view(h.shape)).sum()
-            loss.backward()
-            return loss.detach()
+            with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                if causal:
+                    loss = module(tokens, labels=tokens, use_cache=False).loss
+                else:  # a base model: a fixed linear functional of the last hidden state
+                    h = module(tokens, use_cache=False).last_hidden_state
+                    loss = (h.float() * torch.linspace(-1, 1, h.numel()).view(h.shape)).sum()
+            loss.float().backward()
+            return loss.detach().float()
 
         stage = "eager"
         want = step(model, list(model.parameters()))
         want_grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
         res["loss_eager"] = float(want)
+        if mixed:
+            stage = "eager float32"
+            ref = step(float32_copy, list(float32_copy.parameters()), autocast=False)
+            ref_grads = {n: None if p.grad is None else p.grad.detach().clone()
+                         for n, p in float32_copy.named_parameters()}
 
         stage = "compiled"
         torch._dynamo.reset()
@@ -291,6 +343,21 @@ def run_one(family: str, impl: str, max_params: int) -> dict:
             worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
             res["max_rel"] = worst[0][1]
             res["worst"] = worst
+            res["tol"] = tol = PRECISIONS[precision]
+            if mixed:  # a tensor off eager by more than tol: is the compiled step further from float32 than eager?
+                res["beyond_float32"] = beyond = {}
+                for name, err in errs.items():
+                    if err <= tol or err == float("inf"):
+                        continue
+                    if name == "loss":
+                        got_ref, want_ref = abs(float(got) - float(ref)), abs(float(want) - float(ref))
+                        scale = max(abs(float(ref)), 1e-30)
+                    else:
+                        r, b = ref_grads[_plain_name(name)], want_grads[name]
+                        got_ref, want_ref = _rel_err(compiled_copy.get_parameter(name).grad, r), _rel_err(b, r)
+                        scale = 1.0
+                    if got_ref / scale > 2 * want_ref / scale:
+                        beyond[name] = [got_ref / scale, want_ref / scale]
     except Exception as e:
         res["error"] = f"{stage}: {type(e).__name__}: {e}"[:1500]
         if stage == "build" and "meta_build_error" in res:  # the meta device's error is the earlier, shorter one
@@ -303,10 +370,10 @@ def run_one(family: str, impl: str, max_params: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # The driver: one subprocess per (family, impl), one at a time.
 # ---------------------------------------------------------------------------------------------------------------------
-def spawn(family: str, impl: str, args, log_dir: str) -> dict:
+def spawn(family: str, impl: str, args, log_dir: str, precision: str = "fp32") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", family, impl, "--max-params", str(args.max_params),
-           "--max-memory-gb", str(args.max_memory_gb)]
-    log_path = os.path.join(log_dir, f"{family}.{impl}.log")
+           "--max-memory-gb", str(args.max_memory_gb), "--precision", precision]
+    log_path = os.path.join(log_dir, f"{family}.{impl}.{precision}.log")
     t0 = time.time()
     with open(log_path, "w") as log:
         try:
@@ -320,9 +387,10 @@ def spawn(family: str, impl: str, args, log_dir: str) -> dict:
     if lines:
         res = json.loads(lines[-1][len(RESULT_MARK):])
     elif returncode is None:
-        res = dict(family=family, impl=impl, error=f"timeout after {args.timeout} s")
+        res = dict(family=family, impl=impl, precision=precision, error=f"timeout after {args.timeout} s")
     else:
-        res = dict(family=family, impl=impl, error=f"no result: the subprocess exited with code {returncode}")
+        res = dict(family=family, impl=impl, precision=precision,
+                   error=f"no result: the subprocess exited with code {returncode}")
     res["seconds"] = seconds
     return res
 
@@ -337,15 +405,18 @@ def survey(args) -> None:
     t0 = time.time()
     print(f"{len(families)} families -> {jsonl}", flush=True)
     for family in families:
-        for impl in IMPLS:
-            res = spawn(family, impl, args, log_dir)
-            if res.get("no_experts_impl"):  # no set_experts_implementation support: run the family's own code once
-                res = spawn(family, "default", args, log_dir)
-            res["versions"] = versions
-            _append(jsonl, res)
-            print(f"[{time.time() - t0:7.0f} s] {_summary_line(res)}", flush=True)
-            # a build failure or a size limit does not depend on the experts implementation: one row is enough
-            if res["impl"] == "default" or res.get("not_run") or res.get("error_stage") == "build":
+        for precision in args.precisions:
+            for impl in IMPLS:
+                res = spawn(family, impl, args, log_dir, precision)
+                if res.get("no_experts_impl"):  # no set_experts_implementation support: the family's own code once
+                    res = spawn(family, "default", args, log_dir, precision)
+                res["versions"] = versions
+                _append(jsonl, res)
+                print(f"[{time.time() - t0:7.0f} s] {_summary_line(res)}", flush=True)
+                # a build failure or a size limit does not depend on the experts implementation: one row is enough
+                if res["impl"] == "default" or res.get("not_run") or res.get("error_stage") == "build":
+                    break
+            if res.get("not_run") or res.get("error_stage") == "build":  # nor on the precision
                 break
     rows = [json.loads(line) for line in open(jsonl)]
     with open(os.path.join(args.out_dir, "survey.md"), "w") as f:
@@ -359,7 +430,8 @@ def _append(path: str, res: dict) -> None:
 
 
 def _summary_line(res: dict) -> str:
-    return (f"{res['family']:18s} {res['impl']:10s} expected={res.get('expected_moe')} "
+    return (f"{res['family']:18s} {res['impl']:10s} {res.get('precision', 'fp32'):13s} "
+            f"expected={res.get('expected_moe')} "
             f"rewritten={res.get('rewritten')} skipped={res.get('skipped')} breaks={res.get('graph_breaks')} "
             f"max_rel={res.get('max_rel')} {_note(res)[:120]}")
 
@@ -393,8 +465,8 @@ def outcome(res: dict) -> str:
         return "not run"
     if res.get("error") or res.get("crash"):
         return "error"
-    rel = res.get("max_rel")
-    if rel is None or rel > WRONG_ABOVE:
+    rel, tol = res.get("max_rel"), res.get("tol", WRONG_ABOVE)
+    if rel is None or (rel > tol and res.get("beyond_float32", True)):
         return "wrong"
     expected, rewritten = res.get("expected_moe"), res.get("rewritten", 0)
     if rewritten == 0:
@@ -421,6 +493,10 @@ def run_versions() -> str:
             f"{datetime.date.today().isoformat()}")
 
 
+def _precision(res: dict) -> str:
+    return res.get("precision", "fp32")  # rows written before the precisions were added ran in float32
+
+
 def markdown(rows: list[dict]) -> str:
     versions = sorted({res.get("versions") or "versions not recorded" for res in rows})
     out = [
@@ -428,45 +504,58 @@ def markdown(rows: list[dict]) -> str:
         "",
         "; ".join(versions),
         "",
-        "Generated by `python benchmarks/hf_survey.py OUT_DIR` (see its docstring): per family a tiny float32 model "
-        "(2 layers, hidden 32, 8 experts, top-2), one training step eager vs "
-        '`torch.compile(backend="moeblaze", options={"inductor": False})`, on the CPU. '
-        f"Max rel. err: over the loss and every parameter gradient; above {WRONG_ABOVE:g} is marked WRONG. "
-        "MoE layers expected: experts modules that `set_experts_implementation` replaces (or the count the family's "
-        "config gives, for families without them).",
+        "Generated by `python benchmarks/hf_survey.py OUT_DIR` (see its docstring): per family a tiny model "
+        "(2 layers, hidden 32, 8 experts, top-2) with float32 parameters, one training step eager vs "
+        '`torch.compile(backend="moeblaze", options={"inductor": False})` in the same precision, on the CPU. '
+        "Precision: fp32; autocast-bf16 (the forward under `torch.autocast(\"cpu\", torch.bfloat16)`); casts-bf16 "
+        "(every parameter cast to bfloat16 where forward reads it, through `torch.nn.utils.parametrize`). "
+        f"Max rel. err: over the loss and every parameter gradient; in fp32 above {WRONG_ABOVE:g} is marked WRONG; "
+        f"in bf16 a tensor above {PRECISIONS['autocast-bf16']:g} is marked WRONG only when the compiled step is more "
+        "than twice as far from the float32 step as eager bf16 is (a tiny model's bf16 gradients can be "
+        "ill-conditioned: eager bf16 is itself that far from float32 there). MoE layers expected: experts modules "
+        "that `set_experts_implementation` replaces (or the count the family's config gives, for families without "
+        "them).",
         "",
     ]
     run_s = sum(res.get("seconds") or 0 for res in rows)
     out += [f"Run time: {run_s / 60:.1f} min, summed over {len(rows)} subprocesses run one at a time.", ""]
 
-    by_family: dict[str, list[str]] = {}
-    for res in rows:
-        by_family.setdefault(res["family"], []).append(outcome(res))
-    counts: dict[str, int] = {}
-    for outcomes in by_family.values():
-        kind = outcomes[0] if len(set(outcomes)) == 1 else "mixed"
-        counts[kind] = counts.get(kind, 0) + 1
-    wrong_rows = sum(o == "wrong" for outcomes in by_family.values() for o in outcomes)
+    for precision in [p for p in PRECISIONS if any(_precision(res) == p for res in rows)]:
+        by_family: dict[str, list[str]] = {}
+        for res in rows:
+            if _precision(res) == precision:
+                by_family.setdefault(res["family"], []).append(outcome(res))
+        counts: dict[str, int] = {}
+        for outcomes in by_family.values():
+            kind = outcomes[0] if len(set(outcomes)) == 1 else "mixed"
+            counts[kind] = counts.get(kind, 0) + 1
+        wrong_rows = sum(o == "wrong" for outcomes in by_family.values() for o in outcomes)
+        out += [
+            f"{precision}: families: {len(by_family)}. Every expected MoE layer rewritten: {counts.get('full', 0)}; "
+            f"some of them: {counts.get('partial', 0)}; none: {counts.get('none', 0)}; an error: "
+            f"{counts.get('error', 0)}; not run: {counts.get('not run', 0)}; WRONG under every impl: "
+            f"{counts.get('wrong', 0)}; outcomes differing between impls: {counts.get('mixed', 0)}. WRONG rows: "
+            f"{wrong_rows}.",
+            "",
+        ]
     out += [
-        f"Families: {len(by_family)}. Every expected MoE layer rewritten: {counts.get('full', 0)}; some of them: "
-        f"{counts.get('partial', 0)}; none: {counts.get('none', 0)}; an error: {counts.get('error', 0)}; not run: "
-        f"{counts.get('not run', 0)}; WRONG under every impl: {counts.get('wrong', 0)}; outcomes differing between "
-        f"impls: {counts.get('mixed', 0)}. WRONG rows: {wrong_rows}.",
-        "",
-        "| family | impl | MoE layers expected | rewritten | skipped | graph breaks | max rel. err vs eager | "
-        "first skipped region's reason, or error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | impl | precision | MoE layers expected | rewritten | skipped | graph breaks | max rel. err vs eager "
+        "| first skipped region's reason, or error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for res in rows:
+    order = {p: i for i, p in enumerate(PRECISIONS)}
+    for res in sorted(rows, key=lambda r: (r["family"], order.get(_precision(r), len(order)))):
         rel = res.get("max_rel")
         if rel is None:
             rel_text = "-"
-        elif rel > WRONG_ABOVE:
+        elif outcome(res) == "wrong":
             rel_text = f"**{rel:.1e} WRONG**"
+        elif rel > res.get("tol", WRONG_ABOVE):
+            rel_text = f"{rel:.1e} (eager bf16 as far from float32)"
         else:
             rel_text = f"{rel:.1e}"
-        cells = [res["family"], res["impl"], res.get("expected_moe"), res.get("rewritten"), res.get("skipped"),
-                 res.get("graph_breaks"), rel_text, _shorten(_note(res))]
+        cells = [res["family"], res["impl"], _precision(res), res.get("expected_moe"), res.get("rewritten"),
+                 res.get("skipped"), res.get("graph_breaks"), rel_text, _shorten(_note(res))]
         out.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -480,17 +569,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-memory-gb", type=float, default=8.0,
                         help="address-space limit of each subprocess, so an oversized model fails to allocate "
                              "instead of drawing the machine's out-of-memory killer")
+    parser.add_argument("--precisions", type=lambda text: text.split(","), default=list(PRECISIONS),
+                        help=f"comma-separated, of {', '.join(PRECISIONS)} (default: all)")
+    parser.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("FAMILY", "IMPL"), help=argparse.SUPPRESS)
     parser.add_argument("--table", metavar="JSONL", help="only rewrite the markdown table of an existing survey.jsonl")
     args = parser.parse_args(argv)
     if args.one:
         limit = int(args.max_memory_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        res = run_one(*args.one, max_params=args.max_params)
+        res = run_one(*args.one, max_params=args.max_params, precision=args.precision)
         print(RESULT_MARK + json.dumps(res, default=str), flush=True)
     elif args.table:
         sys.stdout.write(markdown([json.loads(line) for line in open(args.table)]))
     elif args.out_dir:
+        unknown = [p for p in args.precisions if p not in PRECISIONS]
+        if unknown:
+            parser.error(f"--precisions: unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
         survey(args)
     else:
         parser.error("OUT_DIR is required")

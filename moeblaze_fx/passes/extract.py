@@ -238,6 +238,9 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
 
 
 def _stem(name: str) -> str:
+    # a parametrized parameter (torch.nn.utils.parametrize, e.g. a cast in forward) by its own name:
+    # experts.parametrizations.down_proj_bias.original -> experts.down_proj_bias
+    name = re.sub(r"parametrizations[._]([^.]+)[._]original\d*$", r"\1", name)
     return re.sub(r"[._]?(weight|bias)$", "", name)
 
 

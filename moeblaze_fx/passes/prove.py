@@ -9,11 +9,15 @@ operator's reference under each layout hypothesis. A hypothesis is accepted only
 tolerance. Wrong layouts, different activations, a detached weight or a dropped token all show up
 as errors of order one, far above the tolerances, so the check separates cleanly.
 
+Every random input comes from a local generator seeded with a constant (``PROOF_SEED``), never from the user's: two
+ranks compiling the same graph decide alike, and a compile leaves the global random streams where they were.
+
 While the region runs, ``saved_tensors_hooks`` measure the activation bytes eager autograd keeps for
 its backward: the report's "before".
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from typing import Any, Optional
@@ -27,7 +31,8 @@ from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing, ids_from_coun
 from .find import Candidate, example_value, same_size, size_hint
 from .normalize import role
 
-__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients", "is_mixed"]
+__all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_with_gradients", "is_mixed",
+           "PROOF_SEED"]
 
 # Relative error ||region - reference|| / ||reference|| accepted per dtype. The reference runs the
 # same dtype with float32 accumulation; a wrong layout or function gives errors near 1. float32 gets 1e-4 where its
@@ -187,10 +192,30 @@ def _beyond_limit(region, args, x_arg, x2d, reference, experts, act, T: int, d: 
         return _rel_error(y_region.to(y_ref.dtype), y_ref, y_ref)
 
 
+# The seed of every random draw of a proof. A constant, so that every rank compiling the same graph draws the same
+# inputs and decides alike (a rank that accepts a region while another rejects it would run other collectives).
+PROOF_SEED = 0
+
+
+@contextlib.contextmanager
+def _fixed_global_rng(device: torch.device):
+    """The proof's own draws use a local generator seeded with PROOF_SEED; anything in the region that draws from
+    the global generators (an op the finder did not know as random) draws from them seeded with PROOF_SEED too. The
+    user's generator states (the CPU's and ``device``'s) are restored afterwards: compiling does not move their
+    random stream."""
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(PROOF_SEED)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(PROOF_SEED)
+        yield
+
+
 def prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.Node, Any]) -> Proof:
     """Find the layout and activation under which the region equals the operator (forward and gradients)."""
     # innermost no-op hooks: a caller's saved_tensors_hooks must not see the proof's tensors
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    with _fixed_global_rng(example_value(ext.x).device), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         return _prove(gm, cand, ext, real)
 
 
@@ -208,7 +233,7 @@ def _prove(gm: fx.GraphModule, cand: Candidate, ext: Extraction, real: dict[fx.N
         return Proof(None, reason=f"the token count {ext.T} has no concrete hint to check the region with; "
                                   "compile with a concrete token count (dynamic=False) to have it rewritten")
     region = region_module(gm, cand)
-    gen = torch.Generator(device=example_value(ext.x).device).manual_seed(0)
+    gen = torch.Generator(device=example_value(ext.x).device).manual_seed(PROOF_SEED)
     try:
         values = _grouped_inputs(cand, ext, gen, T) if grouped else _inputs(cand, ext, real, gen)
     except Exception as exc:  # a size without a hint (unbacked, not the rows')

@@ -94,14 +94,19 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def run_under_autocast(model, inputs, dtype, *, tol=None, compile_fn=None):
+def run_under_autocast(model, inputs, dtype, *, tol=None, compile_fn=None, ill_conditioned=()):
     """helpers.run_eager_and_compiled with the forward under autocast and the backward after it (Trainer's bf16=True,
     Accelerate, Lightning): output and every gradient of the compiled model against eager, within TOL[dtype]. The
-    gradients must reach the float32 parameters in float32. Returns the moeblaze counters of the compile."""
+    gradients must reach the float32 parameters in float32. Returns the moeblaze counters of the compile.
+
+    ``ill_conditioned``: name fragments of parameters outside the MoE block whose gradients eager itself gets only
+    roughly in this precision. Such a gradient off eager's by more than the tolerance passes within bf16's (the
+    loosest) tolerance, or when the compiled step's is no further than twice eager's from the gradient of the same
+    step in float32 (no autocast)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
-    def step(fn):
+    def step(fn, dtype=dtype):
         for t in [p for _, p in params] + leaves:
             t.grad = None
         with _autocast(dtype):
@@ -110,6 +115,7 @@ def run_under_autocast(model, inputs, dtype, *, tol=None, compile_fn=None):
         (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
         return out.detach(), [p.grad for _, p in params] + [t.grad for t in leaves]
 
+    float32_grads = step(model, None)[1] if ill_conditioned else None
     want, want_grads = step(model)
     counters.clear()
     compiled = (compile_fn or (lambda m: torch.compile(m, backend="moeblaze", fullgraph=True,
@@ -122,6 +128,12 @@ def run_under_autocast(model, inputs, dtype, *, tol=None, compile_fn=None):
         assert (a is None) == (b is None), f"gradient of {name}: present in one run only"
         if a is not None:
             assert a.dtype == p.dtype == b.dtype, f"gradient of {name}: {a.dtype}, eager {b.dtype}"
+            if _rel(a, b) > tol and any(part in name for part in ill_conditioned):
+                ref = float32_grads[names.index(name)]
+                assert _rel(a, b) <= TOL[torch.bfloat16] or _rel(a, ref) <= 2 * _rel(b, ref), (
+                    f"gradient of {name}: relative error {_rel(a, b):.3g}, {_rel(a, ref):.3g} from float32 where "
+                    f"eager is {_rel(b, ref):.3g} from it")
+                continue
             assert _rel(a, b) <= tol, f"gradient of {name}: relative error {_rel(a, b):.3g}"
     return dict(counters["moeblaze"])
 
@@ -141,6 +153,83 @@ def test_hf_under_autocast_is_rewritten(family, impl, dtype):
 
     model = build(family, impl, torch.float32)
     got = run_under_autocast(model, (_tokens(),), dtype)
+    assert got == {"rewritten": LAYERS}
+    compute = "float32" if impl == "grouped_mm" else str(dtype).replace("torch.", "")
+    assert _records() == [("rewritten", compute)] * LAYERS
+
+
+def _build_suite_family(family: str, impl: str) -> nn.Module:
+    """The float32 tiny models of the families tests/e2e/test_hf.py checks in float32 (same configs)."""
+    import transformers
+    from test_hf import COMMON, LAYERS, build_deepseek_v4
+
+    if family == "deepseek_v4":
+        return build_deepseek_v4(impl, 0.05)
+    name = {"nemotron_h": "NemotronH", "gemma4": "Gemma4Text", "inkling2": "Inkling2Text", "inkling": "InklingText"}
+    if not hasattr(transformers, name[family] + "Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    if family == "nemotron_h":
+        cfg = transformers.NemotronHConfig(**COMMON | dict(num_hidden_layers=3),
+                                           layer_types=["full_attention", "moe", "moe"], head_dim=8,
+                                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
+                                           mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
+                                           chunk_size=8, use_mamba_kernels=False)
+        cls = transformers.NemotronHForCausalLM
+    elif family == "gemma4":
+        cfg = transformers.Gemma4TextConfig(**COMMON, head_dim=8, global_head_dim=8, enable_moe_block=True,
+                                            num_experts=8, top_k_experts=2, moe_intermediate_size=24,
+                                            intermediate_size=48, vocab_size_per_layer_input=64,
+                                            hidden_size_per_layer_input=8,
+                                            layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+        cls = transformers.Gemma4ForCausalLM
+    elif family == "inkling2":
+        cfg = transformers.Inkling2TextConfig(**COMMON | dict(num_key_value_heads=4), unpadded_vocab_size=64,
+                                              head_dim=8, sliding_window_size=8,
+                                              layer_types=["hybrid_sliding"] * LAYERS, moe_intermediate_size=24,
+                                              n_routed_experts=8, num_experts_per_tok=2, mlp_gate_softcap=0.05,
+                                              mlp_up_softcap=0.08)
+        cls = transformers.Inkling2ForCausalLM
+    else:
+        cfg = transformers.InklingTextConfig(**COMMON | dict(num_key_value_heads=4), head_dim=8,
+                                             moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_shared_experts=1)
+        cls = transformers.InklingForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).float()
+    model.set_experts_implementation(impl)
+    return model
+
+
+# Gradients eager itself gets only roughly under autocast (outside the MoE blocks), measured 2026-11-27 on the CPU:
+# DeepSeek-V4's mHC mixing parameters (*_hc.*, hc_head.*): under bf16 eager is 0.04-1.2 off its own float32 step,
+# and the compiled step 0.003-1.3 (no further); under fp16 2.5e-2 off eager (hc_head.hc_scale, batched_mm). Inkling's
+# attention keys (projection, short convolution, norm) under fp16: 1.2e-2 to 1.5e-2 off eager in both experts
+# implementations, grouped_mm's region computing in float32 included.
+ILL_CONDITIONED = {"deepseek_v4": ("_hc.", "hc_head."), "inkling": ("self_attn.k_",)}
+
+
+SUITE_FAMILIES = [(family, impl) for family in ("deepseek_v3", "gpt_oss", "glm4_moe", "qwen2_moe", "deepseek_v4",
+                                                 "nemotron_h", "gemma4", "inkling2", "inkling")
+                  for impl in ("grouped_mm", "batched_mm")] + [("llama4", "default")]
+
+
+@pytest.mark.parametrize("family,impl", SUITE_FAMILIES, ids=[f"{f}-{i}" for f, i in SUITE_FAMILIES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_every_suite_family_under_autocast_is_rewritten(family, impl, dtype):
+    """The other families of the suite (moeblaze_fx.bench.models' tiny configs; test_hf.py's DeepSeek-V4, Nemotron-H,
+    Gemma 4, Inkling 2 and Inkling), float32 parameters under autocast: every MoE layer rewritten, in the dtype the
+    experts compute in (float32 under grouped_mm, as above; Llama 4's experts are one bmm over every expert, autocast's
+    dtype, with no experts implementation to set)."""
+    from test_hf import LAYERS, _tokens
+
+    from moeblaze_fx.bench import models
+
+    if family in models.FAMILIES:
+        model = models.build_model(family, tiny=True, experts_implementation=None if impl == "default" else impl)
+    else:
+        model = _build_suite_family(family, impl)
+    got = run_under_autocast(model, (_tokens(),), dtype, ill_conditioned=ILL_CONDITIONED.get(family, ()))
     assert got == {"rewritten": LAYERS}
     compute = "float32" if impl == "grouped_mm" else str(dtype).replace("torch.", "")
     assert _records() == [("rewritten", compute)] * LAYERS
@@ -236,3 +325,25 @@ def test_wrong_candidate_fails_at_the_compute_dtype_tolerance(block, wrong):
     # tolerance, which correct bf16 regions stay an order of magnitude below (rewritten at rel. error ~1e-2)
     err = float(record.reason.split("relative error ")[1].split(" ")[0])
     assert err > tolerance(torch.bfloat16, torch.device("cpu")), record.reason
+
+
+@pytest.mark.parametrize("block", ["gpt_oss", "modulelist_bias"])
+def test_parametrized_casts_with_expert_biases_are_rewritten(block):
+    """Every parameter read through a cast to bf16 (torch.nn.utils.parametrize): the biases are matched to their
+    weights by the parameters' own names (``experts.parametrizations.down_proj_bias.original`` is down_proj's bias).
+    Left alone before ("the expert biases ... do not match the expert weights")."""
+    import torch.nn.utils.parametrize as parametrize
+    from test_variants import GptOssStyleMoE, ModuleListMoE
+
+    class CastTo(nn.Module):
+        def forward(self, weight):
+            return weight.to(torch.bfloat16)
+
+    torch.manual_seed(0)
+    model = GptOssStyleMoE() if block == "gpt_oss" else ModuleListMoE(act="swiglu", bias=True)
+    for module in list(model.modules()):
+        for name, _ in list(module.named_parameters(recurse=False)):
+            parametrize.register_parametrization(module, name, CastTo(), unsafe=True)
+    got = run_under_autocast(model, (_x().to(torch.bfloat16).requires_grad_(True),), None, tol=TOL[torch.bfloat16])
+    assert got == {"rewritten": 1}
+    assert _records() == [("rewritten", "bfloat16")]
