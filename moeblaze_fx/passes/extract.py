@@ -430,6 +430,18 @@ def unit_weights(x: torch.Tensor) -> torch.Tensor:
     return x.new_ones((x.shape[0], 1))
 
 
+def _plain_weights(inputs: list[fx.Node], name_of: dict[fx.Node, str]) -> list[fx.Node]:
+    """Graph inputs that are plain tensors rather than parameters and may be stacked expert weights: float
+    ``[E, rows, cols]`` placeholders (a function compiled with the weights as arguments). Named in ``name_of``; the
+    roles, the layouts and the proof judge them as they judge parameters (a tensor that is not an expert weight makes
+    the proof fail). Gradients reach them as they reach any graph input."""
+    plain = [n for n in inputs if n.op == "placeholder" and isinstance(example_value(n), torch.Tensor)
+             and example_value(n).is_floating_point() and example_value(n).dim() == 3]
+    for n in plain:
+        name_of.setdefault(n, re.sub(r"^L_|_$", "", str(n.target)))
+    return plain
+
+
 def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
     """Rows grouped by counts (``Candidate.counts_grouped``): the region reads rows [N, d], the counts and the expert
     parameters; the operator's ids come from the counts, its weights are ones."""
@@ -443,6 +455,12 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
     data = [n for n in cand.inputs if n is not cand.ids and n not in params
             and isinstance(example_value(n), torch.Tensor)
             and not all(u not in body or canonical_name(u) in SHAPE_ONLY_NAMES for u in n.users)]
+    rows = [n for n in data if example_value(n).is_floating_point() and same_size(example_value(n).shape[-1], d)
+            and same_size(example_value(n).numel(), N * d)]
+    if len(rows) == 1:
+        plain = _plain_weights([n for n in data if n is not rows[0]], name_of)
+        data = [n for n in data if n not in plain]
+        param_inputs += plain
     if len(data) != 1 or not example_value(data[0]).is_floating_point() or not (
             same_size(example_value(data[0]).shape[-1], d) and same_size(example_value(data[0]).numel(), N * d)):
         return (f"expected the grouped experts to read rows [N, d] besides the counts and parameters; they read "
@@ -518,13 +536,17 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     xs = [n for n in floats if same_size(example_value(n).shape[-1], d) and same_size(example_value(n).numel(), T * d)]
     ws = [n for n in floats if n not in xs and same_size(example_value(n).numel(), T * K)
           and (example_value(n).dim() == 1 or any(same_size(example_value(n).shape[-1], c) for c in (K, 1)))]
+    if len(xs) == 1 and len(ws) == 1:
+        plain = _plain_weights([n for n in floats if n not in (xs[0], ws[0])], name_of)
+        floats = [n for n in floats if n not in plain]
+        param_inputs += plain
     if len(xs) != 1 or len(ws) != 1 or len(floats) != 2:
         return (f"expected the region to read tokens [T, d] and combine weights [T, K] besides the ids and "
                 f"parameters; it reads {[(n.name, tuple(example_value(n).shape)) for n in floats]}: another "
                 "function than the operator's, nothing can be changed")
     if not param_inputs:
-        return ("the region reads no parameters; make the expert weights parameters of the module (nn.Parameter; "
-                "under torch.func.functional_call, the module's own parameters)")
+        return ("the region reads no expert weights it can take; make them parameters of the module (nn.Parameter; "
+                "under torch.func.functional_call, the module's own parameters) or stacked [E, out, in] tensors")
     found = _param_roles(param_inputs, name_of)
     if isinstance(found, str):
         return found

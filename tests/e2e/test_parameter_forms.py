@@ -107,3 +107,48 @@ def test_dtensor_to_local_parameters_are_rewritten(one_rank_world, cast):
 @pytest.mark.parametrize("cast", [None, torch.bfloat16], ids=["fp32", "bf16_casts"])
 def test_flat_parameters_viewed_per_expert_are_rewritten(cast):
     _check(Block("flat_view", cast), 1e-5 if cast is None else 3e-2)
+
+
+def _loop_block(x, router, w_gu, w_d, k=2, shift=0):
+    """A per-expert loop over weights passed as plain tensors (a function compiled with them as arguments);
+    ``shift``: expert e reads expert e + shift's gate/up weights (another function than the operator's)."""
+    weights, ids = (x @ router).softmax(-1).topk(k, -1)
+    y = torch.zeros_like(x)
+    for e in range(w_gu.shape[0]):
+        tok, slot = torch.where(ids == e)
+        gate, up = (x[tok] @ w_gu[(e + shift) % w_gu.shape[0]].t()).chunk(2, -1)
+        y.index_add_(0, tok, (F.silu(gate) * up) @ w_d[e].t() * weights[tok, slot, None])
+    return y
+
+
+def test_plain_tensor_weights_are_rewritten():
+    """Expert weights that reach the region as plain tensors (graph inputs, not parameters) are the operator's
+    weights; gradients reach them as in eager. Was: skipped with "expected the region to read tokens [T, d] and
+    combine weights [T, K] besides the ids and parameters"."""
+    g = torch.Generator().manual_seed(3)
+    E, h = 4, 8
+    x = torch.randn(21, D, generator=g).requires_grad_()
+    router = torch.randn(D, E, generator=g)
+    w_gu = (torch.randn(E, 2 * h, D, generator=g) / D ** 0.5).requires_grad_()
+    w_d = (torch.randn(E, D, h, generator=g) / h ** 0.5).requires_grad_()
+
+    def step(fn):
+        y = fn(x, router, w_gu, w_d)
+        return (y.detach(), *torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum(),
+                                                 (x, w_gu, w_d)))
+
+    want = step(_loop_block)
+    counters.clear()
+    got = step(torch.compile(_loop_block, backend="moeblaze", fullgraph=True, options={"inductor": False}))
+    assert dict(counters["moeblaze"]) == {"rewritten": 1}, [r.reason for r in moeblaze_fx.last_report()]
+    assert moeblaze_fx.last_report()[0].layout.startswith("gate = w_gu"), moeblaze_fx.last_report()[0].layout
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # each expert reading the next expert's plain weights is another function: the proof keeps it as written
+    counters.clear()
+    torch._dynamo.reset()
+    shifted = torch.compile(lambda *a: _loop_block(*a, shift=1), backend="moeblaze", fullgraph=True,
+                            options={"inductor": False})(x, router, w_gu, w_d)
+    assert dict(counters["moeblaze"]) == {"skipped": 1}, dict(counters["moeblaze"])
+    assert "differs from the MoE operator" in moeblaze_fx.last_report()[0].reason
+    torch.testing.assert_close(shifted, _loop_block(x, router, w_gu, w_d, shift=1), rtol=1e-6, atol=1e-6)
