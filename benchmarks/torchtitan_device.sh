@@ -15,12 +15,13 @@
 # function `_run_experts_grouped_mm` on its own, so the graph the backend sees holds only the local expert
 # computation over rows already grouped by expert, with counts; the routing and the combine run eagerly.
 #
-# Needs, beside this checkout: torch with CUDA, triton, and torchtitan's Python dependencies. Those the machine
-# lacks travel as wheels (cp312, manylinux) in WHL_DIR (default .whl/torchtitan: base/, pandas/, assets/tokenizer/)
-# and PYARROW_DIR (default .whl/torchtitan_pyarrow, 41 MiB, only where pyarrow is missing). They are installed
+# Needs, beside this checkout: torch with CUDA, triton, torchtitan 0.2.2 and its Python dependencies (with a network:
+# `pip install torchtitan==0.2.2 tyro torchdata datasets tensorboard`) and its test tokenizer. A machine without a
+# network takes them as wheel files (cp312, manylinux) in WHL_DIR (default .whl/torchtitan: base/, pandas/,
+# assets/tokenizer/) and PYARROW_DIR (default .whl/torchtitan_pyarrow, only where pyarrow is missing), installed
 # into TT_TARGET with `pip install --no-index --no-deps --target` and put on sys.path *after* the machine's own
-# site-packages (site.addsitedir), so a package the machine has is never shadowed; torchtitan itself must come
-# from the wheel. The tokenizer is torchtitan's test tokenizer (tests/assets/tokenizer at v0.2.2); the text is
+# site-packages (site.addsitedir), so a package the machine has is never shadowed. The tokenizer is torchtitan's
+# test tokenizer (its repository's tests/assets/tokenizer at v0.2.2), read from WHL_DIR/assets/tokenizer; the text is
 # generated here from a fixed seed (torchtitan's c4_test file is not in its wheel), in c4_test's format.
 #
 # Settings (environment): NGPU (2 or 4, default 2), STEPS (50), SEQ_LEN (2048), LOCAL_BATCH (4 sequences per GPU),
@@ -108,7 +109,7 @@ sys.exit(1 if missing else 0)
 PY
 }
 
-# Installs the carried wheels whose module the machine lacks (a machine's own package always wins: see above).
+# Installs the wheels of WHL_DIR whose module the machine lacks (a machine's own package always wins: see above).
 install_wheels() {
     mkdir -p "$TT_TARGET"
     local whl=() f
@@ -123,10 +124,10 @@ install_wheels() {
     if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TT_TARGET" \
             "${whl[@]}" >"$TT_TARGET.pip.log" 2>&1; then
         cat "$TT_TARGET.pip.log"
-        echo "error: pip could not install the carried wheels into $TT_TARGET (above)" >&2
+        echo "error: pip could not install the wheels of $WHL_DIR into $TT_TARGET (above)" >&2
         exit 2
     fi
-    echo "installed ${#whl[@]} carried wheels into $TT_TARGET (searched after the machine's site-packages)"
+    echo "installed ${#whl[@]} wheels into $TT_TARGET (searched after the machine's site-packages)"
 }
 
 # c4_test's format (one JSON object a line with a "text" field), from a fixed seed: the same text on every machine.
@@ -329,7 +330,7 @@ train)
     ngpu_here=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
     ((ngpu_here >= NGPU)) || { echo "error: NGPU=$NGPU but this machine has $ngpu_here CUDA device(s)" >&2; exit 2; }
     install_wheels
-    modules_check || { echo "error: torchtitan's needs are missing (above): carry their wheels (see --help)" >&2; exit 2; }
+    modules_check || { echo "error: torchtitan's needs are missing (above): install them, or put their wheels in WHL_DIR (see --help)" >&2; exit 2; }
     make_data "$SCRATCH/data"
     echo "moeblaze-fx at $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
     run_one inductor || exit 2
