@@ -477,21 +477,35 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
     if isinstance(counts_val.shape[0], int) and counts_val.shape[0] % E:
         return (f"{counts_val.shape[0]} group counts for {E} experts: the groups are not whole rounds of the "
                 "experts, nothing can be changed")
-    lay = _layouts(roles, role_names, int(d))
+    found = _layouts_and_activations(cand, roles, role_names, int(d), example_value(data[0]).dtype)
+    if isinstance(found, str):
+        return found
+    layouts, h, activations, dtype = found
+    return Extraction(x=data[0], weights=None, ids=cand.ids, roles=roles, role_names=role_names, layouts=layouts,
+                      activations=activations, T=N, K=1, d=int(d), h=h, E=E, dtype=dtype)
+
+
+def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: list[str], d: int,
+                             x_dtype: torch.dtype) -> tuple[list[Layout], int, list, torch.dtype] | str:
+    """(the layouts whose gatedness a supported activation matches, h, those activations (gated first), the dtype the
+    experts compute in), or the reason there are none."""
+    lay = _layouts(roles, role_names, d)
     if isinstance(lay, str):
         return lay
     layouts, h = lay
     activations = {gated: _activations(cand, gated) for gated in (True, False)}
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:
-        return (f"no supported expert activation computes what the experts call: "
-                f"{', '.join(sorted(_shaping(cand))) or 'no activation function'}; nothing can be changed")
-    dtype = compute_dtype(cand, example_value(data[0]).dtype)
+        called = sorted(_shaping(cand))
+        return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
+                "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
+                f"the experts call: {', '.join(called) or 'no activation function'}; nothing can be changed short of "
+                "using one of those")
+    dtype = compute_dtype(cand, x_dtype)
     if dtype not in _COMPUTE_DTYPES:
         return (f"the experts compute in {dtype}, which the operator does not support ({_COMPUTE_DTYPES}); cast the "
                 "tokens and expert weights to one of those")
-    return Extraction(x=data[0], weights=None, ids=cand.ids, roles=roles, role_names=role_names, layouts=layouts,
-                      activations=activations[True] + activations[False], T=N, K=1, d=int(d), h=h, E=E, dtype=dtype)
+    return layouts, h, activations[True] + activations[False], dtype
 
 
 def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
@@ -551,26 +565,13 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     if isinstance(found, str):
         return found
     roles, role_names = found
-    lay = _layouts(roles, role_names, d)
-    if isinstance(lay, str):
-        return lay
-    layouts, h = lay
-    activations = {gated: _activations(cand, gated) for gated in (True, False)}
-    layouts = [lay for lay in layouts if activations[lay.up is not None]]
-    if not layouts:
-        called = sorted(_shaping(cand))
-        return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
-                "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
-                f"the experts call: {', '.join(called) or 'no activation function'}; nothing can be changed short of "
-                "using one of those")
-    x_val = example_value(xs[0])
-    dtype = compute_dtype(cand, x_val.dtype)
-    if dtype not in _COMPUTE_DTYPES:
-        return (f"the experts compute in {dtype}, which the operator does not support ({_COMPUTE_DTYPES}); cast the "
-                "tokens and expert weights to one of those")
+    found = _layouts_and_activations(cand, roles, role_names, d, example_value(xs[0]).dtype)
+    if isinstance(found, str):
+        return found
+    layouts, h, activations, dtype = found
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
-        activations=activations[True] + activations[False], T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
+        activations=activations, T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
         dtype=dtype, routings=_routings(cand, int(K)),
     )
 

@@ -115,20 +115,44 @@ def test_deepseek_v4_clamped_swiglu_is_rewritten(impl):
         "activation swiglu_clamp(limit=0.05)"] * LAYERS
 
 
+# Tiny configs of the families whose blocks need more than COMMON (test_mixed_precision builds them too): the config
+# class name in transformers, its keyword arguments, the causal-LM class name.
+_FAMILY_CONFIGS = {
+    "nemotron_h": ("NemotronHConfig", dict(COMMON | dict(num_hidden_layers=3), layer_types=["full_attention", "moe", "moe"],
+                   head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                   moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1, mamba_num_heads=4,
+                   mamba_head_dim=8, ssm_state_size=8, n_groups=1, chunk_size=8, use_mamba_kernels=False),
+                   "NemotronHForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", dict(COMMON, head_dim=8, global_head_dim=8, enable_moe_block=True, num_experts=8,
+               top_k_experts=2, moe_intermediate_size=24, intermediate_size=48, vocab_size_per_layer_input=64,
+               hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+               "Gemma4ForCausalLM"),
+    "inkling2": ("Inkling2TextConfig", dict(COMMON | dict(num_key_value_heads=4), unpadded_vocab_size=64, head_dim=8,
+                 sliding_window_size=8, layer_types=["hybrid_sliding"] * LAYERS, moe_intermediate_size=24,
+                 n_routed_experts=8, num_experts_per_tok=2, mlp_gate_softcap=0.05, mlp_up_softcap=0.08),
+                 "Inkling2ForCausalLM"),
+    "inkling": ("InklingTextConfig", dict(COMMON | dict(num_key_value_heads=4), head_dim=8, moe_intermediate_size=24,
+                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1), "InklingForCausalLM"),
+}
+
+
+def build_family(family: str, impl: str) -> torch.nn.Module:
+    """The float32 tiny causal LM of one of :data:`_FAMILY_CONFIGS`, experts through ``impl``; skipped where this
+    transformers has no such family."""
+    config_name, kwargs, model_name = _FAMILY_CONFIGS[family]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    cfg = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(cfg).float()
+    model.set_experts_implementation(impl)
+    return model
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_nemotron_h_squared_relu_is_rewritten(impl):
     """Nemotron-H's experts are plain (up and down, no gate) with the squared ReLU: rewritten as relu2."""
-    if not hasattr(transformers, "NemotronHConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Nemotron-H")
-    cfg = transformers.NemotronHConfig(**COMMON | dict(num_hidden_layers=3),
-                                       layer_types=["full_attention", "moe", "moe"], head_dim=8,
-                                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                                       moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
-                                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
-                                       chunk_size=8, use_mamba_kernels=False)
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(cfg).float()
-    model.set_experts_implementation(impl)
+    model = build_family("nemotron_h", impl)
     assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": 2}
     assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == ["activation relu2"] * 2
 
@@ -137,16 +161,8 @@ def test_nemotron_h_squared_relu_is_rewritten(impl):
 def test_gemma4_tanh_geglu_is_rewritten(impl):
     """Gemma 4's experts compute gelu_pytorch_tanh(gate) * up: rewritten as geglu_tanh (left alone before it
     existed, as no activation accounted for the tanh GELU)."""
-    if not hasattr(transformers, "Gemma4TextConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
-    cfg = transformers.Gemma4TextConfig(**COMMON, head_dim=8, global_head_dim=8, enable_moe_block=True, num_experts=8,
-                                        top_k_experts=2, moe_intermediate_size=24, intermediate_size=48,
-                                        vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
-                                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    assert cfg.hidden_activation == "gelu_pytorch_tanh"
-    torch.manual_seed(0)
-    model = transformers.Gemma4ForCausalLM(cfg).float()
-    model.set_experts_implementation(impl)
+    model = build_family("gemma4", impl)
+    assert model.config.hidden_activation == "gelu_pytorch_tanh"
     assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
     assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == ["activation geglu_tanh"] * LAYERS
 
@@ -156,15 +172,7 @@ def test_inkling2_softcapped_swiglu_is_rewritten(impl):
     """Inkling 2's experts compute softcap(gate, 4) * sigmoid(gate) * softcap(up, 25): rewritten as swiglu_softcap
     with the model's caps. Caps 0.05 and 0.08 here, about the random model's pre-activations (std ~0.1), so the
     soft-caps bend and a cap read wrongly (or on the wrong side) shows."""
-    if not hasattr(transformers, "Inkling2TextConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Inkling 2")
-    cfg = transformers.Inkling2TextConfig(**COMMON | dict(num_key_value_heads=4), unpadded_vocab_size=64, head_dim=8,
-                                          sliding_window_size=8, layer_types=["hybrid_sliding"] * LAYERS,
-                                          moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
-                                          mlp_gate_softcap=0.05, mlp_up_softcap=0.08)
-    torch.manual_seed(0)
-    model = transformers.Inkling2ForCausalLM(cfg).float()
-    model.set_experts_implementation(impl)
+    model = build_family("inkling2", impl)
     assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
     assert [r.layout.rsplit("; ", 1)[1] for r in moeblaze_fx.last_report()] == [
         "activation swiglu_softcap(gate=0.05,up=0.08)"] * LAYERS
@@ -175,13 +183,7 @@ def test_inkling_routed_experts_are_rewritten_beside_jointly_normalized_shared_e
     """Inkling's router normalizes the routed experts' gathered logits together with the shared experts' logits,
     so the shared experts' gammas are computed from the ids too: the routed experts are rewritten, the shared
     experts stay in the graph."""
-    if not hasattr(transformers, "InklingTextConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Inkling")
-    cfg = transformers.InklingTextConfig(**COMMON | dict(num_key_value_heads=4), head_dim=8, moe_intermediate_size=24,
-                                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)
-    torch.manual_seed(0)
-    model = transformers.InklingForCausalLM(cfg).float()
-    model.set_experts_implementation(impl)
+    model = build_family("inkling", impl)
     assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
 
 

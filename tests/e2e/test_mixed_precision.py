@@ -160,45 +160,9 @@ def test_hf_under_autocast_is_rewritten(family, impl, dtype):
 
 def _build_suite_family(family: str, impl: str) -> nn.Module:
     """The float32 tiny models of the families tests/e2e/test_hf.py checks in float32 (same configs)."""
-    import transformers
-    from test_hf import COMMON, LAYERS, build_deepseek_v4
+    from test_hf import build_deepseek_v4, build_family
 
-    if family == "deepseek_v4":
-        return build_deepseek_v4(impl, 0.05)
-    name = {"nemotron_h": "NemotronH", "gemma4": "Gemma4Text", "inkling2": "Inkling2Text", "inkling": "InklingText"}
-    if not hasattr(transformers, name[family] + "Config"):
-        pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    if family == "nemotron_h":
-        cfg = transformers.NemotronHConfig(**COMMON | dict(num_hidden_layers=3),
-                                           layer_types=["full_attention", "moe", "moe"], head_dim=8,
-                                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                                           moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
-                                           mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
-                                           chunk_size=8, use_mamba_kernels=False)
-        cls = transformers.NemotronHForCausalLM
-    elif family == "gemma4":
-        cfg = transformers.Gemma4TextConfig(**COMMON, head_dim=8, global_head_dim=8, enable_moe_block=True,
-                                            num_experts=8, top_k_experts=2, moe_intermediate_size=24,
-                                            intermediate_size=48, vocab_size_per_layer_input=64,
-                                            hidden_size_per_layer_input=8,
-                                            layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-        cls = transformers.Gemma4ForCausalLM
-    elif family == "inkling2":
-        cfg = transformers.Inkling2TextConfig(**COMMON | dict(num_key_value_heads=4), unpadded_vocab_size=64,
-                                              head_dim=8, sliding_window_size=8,
-                                              layer_types=["hybrid_sliding"] * LAYERS, moe_intermediate_size=24,
-                                              n_routed_experts=8, num_experts_per_tok=2, mlp_gate_softcap=0.05,
-                                              mlp_up_softcap=0.08)
-        cls = transformers.Inkling2ForCausalLM
-    else:
-        cfg = transformers.InklingTextConfig(**COMMON | dict(num_key_value_heads=4), head_dim=8,
-                                             moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
-                                             n_shared_experts=1)
-        cls = transformers.InklingForCausalLM
-    torch.manual_seed(0)
-    model = cls(cfg).float()
-    model.set_experts_implementation(impl)
-    return model
+    return build_deepseek_v4(impl, 0.05) if family == "deepseek_v4" else build_family(family, impl)
 
 
 # Gradients eager itself gets only roughly under autocast (outside the MoE blocks), measured 2026-11-27 on the CPU:
