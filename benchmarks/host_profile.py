@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from moeblaze_fx.bench.layer import CONFIGS, L2_FLUSH_BYTES, PROVIDERS, _grads, cuda_step_times, free_memory, \
-    make_inputs, parse_config
+from moeblaze_fx.bench.layer import L2_FLUSH_BYTES, PROVIDERS, _grads, cuda_step_times, free_memory, \
+    make_inputs, parse_config, parse_configs
 
 
 # (module, attribute): the functions timed for the breakdown, inclusive of what they call
@@ -108,7 +108,9 @@ def install_timers(stats: dict):
         patch(TensorDescriptor, "from_tensor", "gluon TensorDescriptor.from_tensor")
     except ImportError:
         pass
-    for op, name in ((ops._moe_ffn, "op moe_ffn impl"), (ops._moe_ffn_backward, "op moe_ffn_backward impl")):
+    for op, name in ((ops._moe_ffn, "op moe_ffn impl"), (ops._moe_ffn_backward, "op moe_ffn_backward impl"),
+                     (ops._moe_ffn_backward_act, "op moe_ffn_backward_act impl"),
+                     (ops._moe_ffn_backward_dx, "op moe_ffn_backward_dx impl")):
         fns = op._backend_fns
         key = next(iter(fns))
         orig = fns[key]
@@ -163,13 +165,16 @@ def blocked(layer, inputs, steps: int, first: int, cycles_per_ms: float, profile
 
 
 def shapes_of(configs: str, shapes: list[str]) -> list:
-    """The layer shapes of ``--configs`` (names in CONFIGS, comma-separated) and ``--shape`` (T,d,h,E,K each)."""
-    return [CONFIGS[c] for c in configs.split(",") if c] + [parse_config(s) for s in shapes]
+    """The layer shapes of ``--configs`` (built-in names and named sets, comma-separated) and ``--shape`` (T,d,h,E,K each)."""
+    return parse_configs(configs) + [parse_config(s) for s in shapes]
 
 
 def warm_layer(cfg, provider: str, dev: torch.device):
     """(inputs, layer) of ``provider`` at ``cfg`` in bfloat16, after three untimed steps (compilation,
     autotuning)."""
+    # a fresh, static-shape compile per shape, as the layer bench does: else a compiled provider's second shape is
+    # a recompile with dynamic sizes, whose generic kernels are slower
+    torch._dynamo.reset()
     inputs = make_inputs(cfg, dev, torch.bfloat16, seed=0)
     layer, _ = PROVIDERS[provider].build(dev, torch.bfloat16)
     for i in range(3):
