@@ -219,7 +219,7 @@ def _script(*args, **env):
     e = {k: v for k, v in os.environ.items() if k not in ("NGPUS", "PARALLELISMS", "BACKENDS", "TOKENS_PER_GPU",
                                                            "SEQ_LEN", "STEPS", "TIMED_FROM", "FLAVOR",
                                                            "FLAVOR_OVERRIDES", "NGPU")}
-    e.update(PYTHON=sys.executable, SCRATCH="/tmp/scaling_scratch", **env)
+    e.update({"PYTHON": sys.executable, "SCRATCH": "/tmp/scaling_scratch", **env})
     return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, env=e, timeout=60)
 
 
@@ -277,3 +277,79 @@ def test_torchtitan_device_sh_still_checks_its_settings_when_run(tmp_path):
     assert "NGPU=3: this benchmark runs on 2 or 4 GPUs" in done.stderr
     helped = _script(ROOT / "benchmarks" / "torchtitan_device.sh", "--help")
     assert helped.returncode == 0 and "NGPU=2 bash benchmarks/torchtitan_device.sh OUTDIR" in helped.stdout
+
+
+# A stand-in for the GPU machine's python: it says there are 2 GPUs, that torchtitan's needs are there, and runs
+# torchrun as a trainer that logs torchtitan's metrics lines for every rank; EP under moeblaze crashes on rank 1 and
+# 2-GPU FSDP2 under moeblaze hangs (cut by RUN_TIMEOUT). Everything else goes to the real interpreter.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+if [[ $1 == -c && $2 == *device_count* ]]; then echo 2; exit 0; fi
+if [[ $1 == - && $2 == "$TT_TARGET" ]]; then cat >/dev/null; echo "missing: none"; exit 0; fi
+if [[ $1 == -m && $2 == torch.distributed.run ]]; then
+    n=1 backend= ep=0 steps=
+    prev=
+    for a in "$@"; do
+        case $a in --nproc_per_node=*) n=${a#*=} ;; esac
+        case $prev in --compile.backend) backend=$a ;; --training.steps) steps=$a ;;
+                      --parallelism.expert_parallel_degree) ep=$a ;; esac
+        prev=$a
+    done
+    [[ -n $TT_FLAVOR && -n $MOEBLAZE_REPO ]] || { echo "the launcher's environment is missing"; exit 3; }
+    if [[ $backend == moeblaze && $ep == 0 && $n == 2 ]]; then exec sleep 30; fi
+    base=1000; [[ $backend == moeblaze ]] && base=1100
+    for ((s = 1; s <= steps; s++)); do
+        for ((r = 0; r < n; r++)); do
+            if [[ $backend == moeblaze && $ep != 0 && $s == 3 && $r == 1 ]]; then
+                echo "[rank1]:RuntimeError: fake failure under EP"; exit 1
+            fi
+            printf '[rank%d]:[titan] 2026-11-27 12:00:00,000 - root - INFO - step: %2d  loss:  3.00000  grad_norm:  1.0000  memory:  %5.2fGiB(5.00%%)  tps: %s  tflops: 1.00  mfu: 0.10%%\n' \
+                "$r" "$s" "$((n + 2)).5" "$((base - 100 * (n - 1)))"
+        done
+    done
+    exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def test_run_mode_records_every_run_with_a_fake_trainer(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    done = _script(SCRIPT, out, PYTHON=str(fake), REAL_PYTHON=sys.executable, WHL_DIR=str(tmp_path / "nowheels"),
+                   PYARROW_DIR=str(tmp_path / "nowheels"), SCRATCH=str(tmp_path / "scratch"), TT_TARGET=str(tmp_path / "tt"), RUN_TIMEOUT="5",
+                   MOEBLAZE_COMMIT="feedbeef", NGPUS="1 2 4")
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {r["run"]: r for r in json.loads((out / "scaling.json").read_text())["rows"]}
+    assert list(rows) == ["n1_fsdp_inductor", "n1_fsdp_moeblaze", "n2_fsdp_inductor", "n2_fsdp_moeblaze",
+                          "n2_fsdp-ep_inductor", "n2_fsdp-ep_moeblaze", "n4_fsdp_inductor", "n4_fsdp_moeblaze",
+                          "n4_fsdp-ep_inductor", "n4_fsdp-ep_moeblaze"]
+    assert {k: (r["status"], r["tps"], r["memory_gib"]) for k, r in rows.items() if r["status"] == "ok"} == {
+        "n1_fsdp_inductor": ("ok", 1000.0, 3.5), "n1_fsdp_moeblaze": ("ok", 1100.0, 3.5),
+        "n2_fsdp_inductor": ("ok", 900.0, 4.5), "n2_fsdp-ep_inductor": ("ok", 900.0, 4.5)}
+    assert rows["n2_fsdp_moeblaze"]["status"] == "failed"
+    assert rows["n2_fsdp_moeblaze"]["error"].startswith("exit 124 (timed out)")
+    assert rows["n2_fsdp-ep_moeblaze"]["error"] == "exit 1: RuntimeError: fake failure under EP"
+    assert rows["n1_fsdp_moeblaze"]["vs_inductor"] == pytest.approx(1.1)
+    assert rows["n2_fsdp-ep_inductor"]["scaling_efficiency"] == pytest.approx(0.9)
+    for k in ("n4_fsdp_inductor", "n4_fsdp_moeblaze", "n4_fsdp-ep_inductor", "n4_fsdp-ep_moeblaze"):
+        assert (rows[k]["status"], rows[k]["error"]) == ("not run", "needs 4 GPUs; the machine has 2")
+    env = json.loads((out / "env.json").read_text())
+    assert (env["commit"], env["tokens_per_gpu"], env["timed_from"], env["timed_to"]) == ("feedbeef", 16384, 4, 10)
+    assert "| 1 | FSDP2 (1 GPU: none) | moeblaze | 1,100 | 3.50 | 1.100 | 1.000 |" in (out / "scaling.md").read_text()
+    assert "n2_fsdp_moeblaze: exit 124" in done.stdout
+
+
+def test_run_mode_stops_starting_runs_past_the_budget(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    done = _script(SCRIPT, out, PYTHON=str(fake), REAL_PYTHON=sys.executable, WHL_DIR=str(tmp_path / "nowheels"),
+                   PYARROW_DIR=str(tmp_path / "nowheels"), SCRATCH=str(tmp_path / "scratch"), TT_TARGET=str(tmp_path / "tt"), NGPUS="1",
+                   BUDGET="10", RUN_MIN="60")
+    assert done.returncode == 1
+    rows = json.loads((out / "scaling.json").read_text())["rows"]
+    assert [(r["run"], r["status"]) for r in rows] == [("n1_fsdp_inductor", "not run"), ("n1_fsdp_moeblaze", "not run")]
+    assert rows[0]["error"].startswith("not started: ") and rows[0]["error"].endswith(" of BUDGET=10 s were left")
