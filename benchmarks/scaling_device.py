@@ -193,7 +193,11 @@ _ORDER = {"fsdp": 0, "fsdp-ep": 1}
 
 
 def build_table(out: str) -> tuple[list[dict], dict]:
-    with open(os.path.join(out, "env.json")) as f:
+    env_path = os.path.join(out, "env.json")
+    if not os.path.exists(env_path):
+        raise SystemExit(f"error: {env_path} is missing: {out} holds no runs of this benchmark (run "
+                         f"`bash benchmarks/scaling_device.sh {out}` first; --table only rebuilds the table)")
+    with open(env_path) as f:
         env = json.load(f)
     rows = []
     for meta_path in glob.glob(os.path.join(out, "*", "meta.json")):

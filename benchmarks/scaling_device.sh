@@ -7,7 +7,7 @@
 # GiB), moeblaze / Inductor, scaling efficiency (tokens/s per GPU at N over 1 GPU, same backend), and whether every
 # MoE block ran the moeblaze operator on every rank (moe_ffn events in the last step's profile).
 #
-#   bash benchmarks/scaling_device.sh OUTDIR               # NGPUS="1 2" (default); NGPUS="1 2 4" on 4 GPUs
+#   bash benchmarks/scaling_device.sh OUTDIR               # NGPUS="1 2" (default); NGPUS="1 4" or "1 2 4" on 4 GPUs
 #   bash benchmarks/scaling_device.sh --plan OUTDIR        # the runs and torchtitan's command lines; runs nothing
 #   bash benchmarks/scaling_device.sh --dry-run OUTDIR     # install, text, each run's job config and model flavor
 #   bash benchmarks/scaling_device.sh --table OUTDIR       # only the table, from OUTDIR's runs
@@ -15,7 +15,8 @@
 # One run failing (an exception, a hang cut by RUN_TIMEOUT) is recorded as failed with its last error line and the
 # others go on; runs that would start past BUDGET seconds are recorded as not run. The table is rewritten after
 # every run, so a cut-off call still leaves the runs it finished. Order: 1 GPU, then 2 (FSDP2, then FSDP2 + EP),
-# then 4; Inductor before moeblaze at each.
+# then 4; Inductor before moeblaze at each. NGPUS="1 2" is 6 runs, "1 4" 6, "1 2 4" 10 (more than one 9-minute call
+# holds at the default sizes: raise BUDGET and RUN_TIMEOUT with the call's limit, or split the GPU counts).
 #
 # torchtitan, its wheels, tokenizer and text: as benchmarks/torchtitan_device.sh (sourced: WHL_DIR, PYARROW_DIR,
 # TT_TARGET, SCRATCH, PYTHON mean the same). EP is torchtitan's `--parallelism.expert_parallel_degree` with its

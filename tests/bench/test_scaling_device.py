@@ -353,3 +353,9 @@ def test_run_mode_stops_starting_runs_past_the_budget(tmp_path):
     rows = json.loads((out / "scaling.json").read_text())["rows"]
     assert [(r["run"], r["status"]) for r in rows] == [("n1_fsdp_inductor", "not run"), ("n1_fsdp_moeblaze", "not run")]
     assert rows[0]["error"].startswith("not started: ") and rows[0]["error"].endswith(" of BUDGET=10 s were left")
+
+
+def test_table_of_a_folder_without_runs_says_what_to_do(tmp_path):
+    done = _script(SCRIPT, "--table", tmp_path)
+    assert done.returncode == 1
+    assert f"{tmp_path}/env.json is missing" in done.stderr and "--table only rebuilds the table" in done.stderr
