@@ -11,9 +11,9 @@ moeblaze runs, moeblaze_report_rank<R>.json; the profile trace of the last step 
 tokens/s per GPU is torchtitan's own "tps" (tokens of the rank over the step's wall time, divided by the
 non-data-parallel degree, which is 1 here: FSDP and EP both count as data parallel): the median over the timed steps
 on each rank, then the mean over the ranks. Peak memory per GPU is torchtitan's "memory" (the caching allocator's
-peak reserved GiB since the last log): the largest over the timed steps and the ranks. Runs of torchtitan without
-torchtitan installed are not needed here: this file imports only the standard library (torchtitan's model table is
-imported only by `register_flavor`, inside a rank).
+peak reserved GiB since the last log): the largest over the timed steps and the ranks. This file imports only the
+standard library (torch for `env`; torchtitan's model table only in `register_flavor_in_rank`, inside a rank), so
+its tests run without a GPU or torchtitan.
 """
 from __future__ import annotations
 

@@ -23,6 +23,8 @@
 # "standard" all-to-all; it borrows the FSDP degree (EP = FSDP = N: the experts are split over the ranks and not
 # sharded further). Under EP, 0.2.2 compiles the expert function with its row count marked dynamic, runs the
 # all-to-alls eagerly, and pads each local expert's rows to a multiple of 8 (16 for float8) before the products.
+# At 1 GPU torchtitan has no FSDP and trains under torch.autocast(bf16) over float32 weights; from 2 GPUs on, FSDP2's
+# MixedPrecisionPolicy (bf16 parameters) does it: the 1-GPU baseline of the scaling efficiency differs in that too.
 #
 # Model: FLAVOR (default debugmodel_moe: 8 blocks, d=256, 16 heads of 128, 64 experts of 768, top-8, vocab 2048).
 # FLAVOR_OVERRIDES derives a new flavor named FLAVOR from FLAVOR_BASE (default debugmodel_moe), registered in
