@@ -36,29 +36,10 @@
 # Sized for well under 5 minutes on 2 or 4 H100s (8192 tokens per GPU a step); not yet timed there.
 set -euo pipefail
 
-mode=train
-case "${1:-}" in
-    --check) mode=check; shift ;;
-    --dry-run) mode=dry-run; shift ;;
-    --compare) mode=compare; shift ;;
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
-if [[ $mode != check ]]; then
-    out=${1:?"usage: bash benchmarks/torchtitan_device.sh [--check|--dry-run|--compare] OUTDIR (see --help)"}
-    mkdir -p "$out"
-    out=$(cd "$out" && pwd)
-fi
-
-cd "$(dirname "$0")/.."
-repo=$PWD
-NGPU=${NGPU:-2}
-STEPS=${STEPS:-50}
-SEQ_LEN=${SEQ_LEN:-2048}
-LOCAL_BATCH=${LOCAL_BATCH:-4}
-SEED=${SEED:-42}
-DETERMINISTIC=${DETERMINISTIC:-1}
-TOL_LOSS=${TOL_LOSS:-2e-2}
-MOE_BLOCKS=${MOE_BLOCKS:-8}
+# The part benchmarks/scaling_device.sh sources (it ends at the `return` below): where torchtitan's wheels, its
+# tokenizer and the scratch space are, and the functions that check and install its needs, make the text and launch
+# its trainer in every rank.
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 WHL_DIR=${WHL_DIR:-$repo/.whl/torchtitan}
 PYARROW_DIR=${PYARROW_DIR:-$repo/.whl/torchtitan_pyarrow}
@@ -67,13 +48,6 @@ SCRATCH=${SCRATCH:-/tmp/tt_run}
 TT_VERSION=0.2.2
 export PYTHONUNBUFFERED=1
 export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$SCRATCH/hf_datasets_cache}
-
-for v in NGPU STEPS SEQ_LEN LOCAL_BATCH SEED MOE_BLOCKS; do
-    [[ ${!v} =~ ^[0-9]+$ ]] || { echo "error: $v=${!v} is not a whole number" >&2; exit 2; }
-done
-[[ $NGPU == 2 || $NGPU == 4 ]] || { echo "error: NGPU=$NGPU: this benchmark runs on 2 or 4 GPUs (set NGPU=2 or NGPU=4)" >&2; exit 2; }
-(( STEPS >= 2 )) || { echo "error: STEPS=$STEPS: at least 2 (the operator is counted in the last step's profile)" >&2; exit 2; }
-[[ $DETERMINISTIC == 0 || $DETERMINISTIC == 1 ]] || { echo "error: DETERMINISTIC=$DETERMINISTIC: 0 or 1" >&2; exit 2; }
 
 # The Python modules torchtitan 0.2.2's trainer imports that a plain torch environment may lack, each with the
 # statement that proves it usable (tensorboard's generated code needs protobuf >= 6).
@@ -151,6 +125,55 @@ with open(sys.argv[1], "w") as f:
 PY
 }
 
+# Runs in every rank: torchtitan found after the machine's site-packages, moeblaze registered as a backend where
+# its entry point is not installed, a per-rank report file, then torchtitan's own entry point.
+LAUNCH='
+import os, runpy, site, sys
+site.addsitedir(os.environ["TT_TARGET"])
+sys.path.insert(0, os.environ["MOEBLAZE_REPO"])
+if os.environ.get("MOEBLAZE_REPORT_DIR"):
+    rep = "report=" + os.path.join(os.environ["MOEBLAZE_REPORT_DIR"], "moeblaze_report_rank%s.json" % os.environ["RANK"])
+    os.environ["MOEBLAZE_OPTIONS"] = ";".join(x for x in (os.environ.get("MOEBLAZE_OPTIONS", ""), rep) if x)
+import torch._dynamo
+if "moeblaze" not in torch._dynamo.list_backends(exclude_tags=()):
+    from moeblaze_fx.backend import moeblaze_backend
+    torch._dynamo.register_backend(moeblaze_backend, name="moeblaze")
+sys.argv = ["torchtitan.train"] + sys.argv[1:]
+runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+'
+
+[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0  # sourced: the definitions above only
+
+mode=train
+case "${1:-}" in
+    --check) mode=check; shift ;;
+    --dry-run) mode=dry-run; shift ;;
+    --compare) mode=compare; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
+if [[ $mode != check ]]; then
+    out=${1:?"usage: bash benchmarks/torchtitan_device.sh [--check|--dry-run|--compare] OUTDIR (see --help)"}
+    mkdir -p "$out"
+    out=$(cd "$out" && pwd)
+fi
+
+cd "$repo"
+NGPU=${NGPU:-2}
+STEPS=${STEPS:-50}
+SEQ_LEN=${SEQ_LEN:-2048}
+LOCAL_BATCH=${LOCAL_BATCH:-4}
+SEED=${SEED:-42}
+DETERMINISTIC=${DETERMINISTIC:-1}
+TOL_LOSS=${TOL_LOSS:-2e-2}
+MOE_BLOCKS=${MOE_BLOCKS:-8}
+
+for v in NGPU STEPS SEQ_LEN LOCAL_BATCH SEED MOE_BLOCKS; do
+    [[ ${!v} =~ ^[0-9]+$ ]] || { echo "error: $v=${!v} is not a whole number" >&2; exit 2; }
+done
+[[ $NGPU == 2 || $NGPU == 4 ]] || { echo "error: NGPU=$NGPU: this benchmark runs on 2 or 4 GPUs (set NGPU=2 or NGPU=4)" >&2; exit 2; }
+(( STEPS >= 2 )) || { echo "error: STEPS=$STEPS: at least 2 (the operator is counted in the last step's profile)" >&2; exit 2; }
+[[ $DETERMINISTIC == 0 || $DETERMINISTIC == 1 ]] || { echo "error: DETERMINISTIC=$DETERMINISTIC: 0 or 1" >&2; exit 2; }
+
 # torchtitan's own command line for one run (backend = inductor or moeblaze).
 train_args() {
     local backend=$1 dump=$2
@@ -171,23 +194,6 @@ train_args() {
     if [[ $DETERMINISTIC == 1 ]]; then args+=(--debug.deterministic --debug.deterministic_warn_only); fi
     printf '%s\n' "${args[@]}"
 }
-
-# Runs in every rank: torchtitan found after the machine's site-packages, moeblaze registered as a backend where
-# its entry point is not installed, a per-rank report file, then torchtitan's own entry point.
-LAUNCH='
-import os, runpy, site, sys
-site.addsitedir(os.environ["TT_TARGET"])
-sys.path.insert(0, os.environ["MOEBLAZE_REPO"])
-if os.environ.get("MOEBLAZE_REPORT_DIR"):
-    rep = "report=" + os.path.join(os.environ["MOEBLAZE_REPORT_DIR"], "moeblaze_report_rank%s.json" % os.environ["RANK"])
-    os.environ["MOEBLAZE_OPTIONS"] = ";".join(x for x in (os.environ.get("MOEBLAZE_OPTIONS", ""), rep) if x)
-import torch._dynamo
-if "moeblaze" not in torch._dynamo.list_backends(exclude_tags=()):
-    from moeblaze_fx.backend import moeblaze_backend
-    torch._dynamo.register_backend(moeblaze_backend, name="moeblaze")
-sys.argv = ["torchtitan.train"] + sys.argv[1:]
-runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
-'
 
 parse_config() {  # the job config torchtitan parses from these arguments, or its error
     local backend=$1
