@@ -228,10 +228,12 @@ run_one() {
 }
 
 compare() {
-    "$PYTHON" - "$out" "$TOL_LOSS" "$MOE_BLOCKS" "$STEPS" "$SCRATCH" <<'PY' | tee "$out/compare.txt"
-import glob, json, math, os, re, sys
+    "$PYTHON" - "$out" "$TOL_LOSS" "$MOE_BLOCKS" "$STEPS" "$SCRATCH" "$repo/benchmarks" <<'PY' | tee "$out/compare.txt"
+import math, os, re, sys
 
 out, tol, moe_blocks, steps, scratch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+sys.path.insert(0, sys.argv[6])
+from scaling_device import operator_calls, report_regions  # the trace and report readers the scaling table uses
 # torchtitan's metrics line: "step:  7  loss:  6.12345  grad_norm: ...", possibly behind a "[rank0]:" prefix
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
 
@@ -251,35 +253,6 @@ def losses(run):
     return found
 
 
-def operator_calls(run):
-    """moeblaze::moe_ffn forward events per rank in the profiled last step (torchtitan's profile trace)."""
-    calls = {}
-    pattern = os.path.join(scratch, run, "profile_traces", "iteration_*", "**", "rank*_trace.json")
-    traces = sorted(glob.glob(pattern, recursive=True), key=lambda p: int(re.search(r"iteration_(\d+)", p).group(1)))
-    for path in traces:  # the last iteration wins
-        rank = int(re.search(r"rank(\d+)_trace", path).group(1))
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-        # host-side operator events (a kernel or runtime call never carries the operator's name)
-        calls[rank] = sum(1 for e in events if e.get("name") == "moeblaze::moe_ffn"
-                          and e.get("cat") not in ("kernel", "cuda_runtime", "gpu_memcpy", "gpu_memset"))
-    return calls
-
-
-def report(run):
-    """(rewritten, skipped with reasons) from every rank's moeblaze report file."""
-    per_rank = {}
-    for path in sorted(glob.glob(os.path.join(out, run, "moeblaze_report_rank*.json"))):
-        rank = int(re.search(r"rank(\d+)\.json", path).group(1))
-        with open(path) as f:
-            graphs = json.load(f)
-        regions = [r for g in graphs for r in g["regions"]]
-        per_rank[rank] = (sum(r["status"] == "rewritten" for r in regions),
-                          [f"{r.get('source')}: {r.get('reason')}" for r in regions if r["status"] != "rewritten"],
-                          len(graphs))
-    return per_rank
-
-
 base, mine = losses("inductor"), losses("moeblaze")
 common = sorted(set(base) & set(mine))
 print(f"{'step':>4}  {'inductor':>10}  {'moeblaze':>10}  {'|diff|':>9}")
@@ -293,12 +266,14 @@ ok_loss = ok_steps and worst <= tol
 print(f"losses: {len(common)} common steps of {steps} (inductor {len(base)}, moeblaze {len(mine)}); "
       f"max |diff| = {worst:.3e}, tolerance {tol:g}: {'PASS' if ok_loss else 'FAIL'}")
 
-calls, rep = operator_calls("moeblaze"), report("moeblaze")
-base_calls = operator_calls("inductor")
+calls = operator_calls(os.path.join(scratch, "moeblaze", "profile_traces"))
+rep = report_regions(os.path.join(out, "moeblaze"))
+base_calls = operator_calls(os.path.join(scratch, "inductor", "profile_traces"))
 ok_ops = bool(calls) and all(n == moe_blocks for n in calls.values())
 for rank in sorted(set(calls) | set(rep)):
     n = calls.get(rank)
-    rewritten, skipped, graphs = rep.get(rank, (0, [], 0))
+    r = rep.get(rank, {"graphs": 0, "rewritten": 0, "skipped": []})
+    rewritten, skipped, graphs = r["rewritten"], r["skipped"], r["graphs"]
     print(f"moeblaze rank {rank}: operator calls in the last step's forward: "
           f"{'no trace' if n is None else n} of {moe_blocks} MoE blocks; report: {graphs} compiled graph(s), "
           f"{rewritten} region(s) rewritten, {len(skipped)} skipped")
