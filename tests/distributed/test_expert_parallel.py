@@ -1,17 +1,16 @@
-"""Expert parallelism: the local expert computation is rewritten, the collectives stay as written and nothing runs
-them at compile time.
-
-A torchtitan-style expert-parallel block is compiled with ``backend="moeblaze"`` on 2 gloo ranks (spawned processes,
-a file store, timeouts so a desync fails instead of hanging): the router's top-k; the counts all-to-all; the token
-all-to-all over ``.tolist()`` splits; the rank-major rows permuted expert-major by indices computed from the counts
-(``searchsorted``); ``torch._grouped_mm`` over the local experts with ``offs = cumsum`` of their counts and torchtitan's
-bf16 casts; the un-permute (``new_empty`` + index assignment); the all-to-all back; the un-sort and the combine.
-(torchtitan: distributed/expert_parallel.py, models/common/moe/{moe,utils}.py, read late 2026; rewritten here, no
-padding, as its bf16 path has none; the 0.2.2 release pads each local expert's rows to a multiple of 8.) The region
-from the top-k holds the collectives and is left alone; the local part between the all-to-alls is the operator with K = 1, unit weights and ids from the counts, and is rewritten on every
-rank, proven on inputs that are the same on every rank. Each rank checks its output and every gradient against an
-uncompiled single-process reference (every expert on one process, the same weights). The per-expert loop torchtitan
-keeps for comparison (split sizes from ``.tolist()``) is not rewritten: its region is reported left alone.
+"""Expert parallelism: the local expert computation is rewritten, the collectives stay as written and nothing runs them
+at compile time. A torchtitan-style expert-parallel block is compiled with ``backend="moeblaze"`` on 2 gloo ranks
+(spawned processes, a file store, timeouts so a desync fails instead of hanging): the router's top-k; the counts
+all-to-all; the token all-to-all over ``.tolist()`` splits; the rank-major rows permuted expert-major by indices
+computed from the counts (``searchsorted``); ``torch._grouped_mm`` over the local experts with ``offs = cumsum`` of
+their counts and torchtitan's bf16 casts; the un-permute (``new_empty`` + index assignment); the all-to-all back; the
+un-sort and the combine. (torchtitan: distributed/expert_parallel.py, models/common/moe/{moe,utils}.py, read late
+2026; rewritten here, no padding, as its bf16 path has none; the 0.2.2 release pads each local expert's rows to a
+multiple of 8.) The region from the top-k holds the collectives and is left alone; the local part between the
+all-to-alls is the operator with K = 1, unit weights and ids from the counts, and is rewritten on every rank, proven
+on inputs that are the same on every rank. Each rank checks its output and every gradient against an uncompiled
+single-process reference (every expert on one process, the same weights). The per-expert loop torchtitan keeps for
+comparison (split sizes from ``.tolist()``) is not rewritten: its region is reported left alone.
 
 A unit test without processes checks the collective decision on a graph holding a ``_c10d_functional`` op, with the
 prover replaced by one that fails the test.
