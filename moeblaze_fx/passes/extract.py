@@ -208,6 +208,12 @@ def _families(params: list[fx.Node], name_of: dict[fx.Node, str]) -> dict[str, l
 
 
 def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[list[Role], list[str]] | str:
+    dynamic = [p for p in params if any(isinstance(s, torch.SymInt) for s in example_value(p).shape)]
+    if dynamic:  # plain tensors under dynamic=True (parameters are static unless force_parameter_static_shapes is off)
+        return (f"the expert weights {[name_of[p] for p in dynamic]} have dynamic sizes "
+                f"{[tuple(str(s) for s in example_value(p).shape) for p in dynamic]}; the operator needs E, h and d "
+                "fixed: mark each weight static (torch._dynamo.mark_static(w)) or mark only the token dimension "
+                "dynamic (torch._dynamo.mark_dynamic(x, 0)) instead of compiling with dynamic=True")
     by_rank: dict[int, list[fx.Node]] = {}
     for p in params:
         by_rank.setdefault(example_value(p).dim(), []).append(p)
@@ -467,8 +473,8 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
                 f"{[(n.name, tuple(example_value(n).shape)) for n in data]}: another function than the operator's, "
                 "nothing can be changed")
     if not param_inputs:
-        return ("the grouped experts read no parameters; make the expert weights parameters of the module "
-                "(nn.Parameter)")
+        return ("the grouped experts read no expert weights the operator can take; make them parameters of the "
+                "module (nn.Parameter) or pass them as stacked [E, out, in] tensors")
     found = _param_roles(param_inputs, name_of)
     if isinstance(found, str):
         return found
