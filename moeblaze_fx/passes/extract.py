@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..kernels.reference import Activation, ExpertParams
 from ..layout import ROLES, RoleView, encode_layout
@@ -207,8 +208,16 @@ def _families(params: list[fx.Node], name_of: dict[fx.Node, str]) -> dict[str, l
             "expert the same parameters (one nn.Linear per role)")
 
 
+def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The node's shape in ints (a size Dynamo has already specialised to a constant counts as one, and reading it adds
+    no guard), or None where a size is symbolic."""
+    shape = example_value(node).shape
+    return tuple(int(s) for s in shape) if all(is_concrete_int(s) for s in shape) else None
+
+
 def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[list[Role], list[str]] | str:
-    dynamic = [p for p in params if any(isinstance(s, torch.SymInt) for s in example_value(p).shape)]
+    shapes = {p: _static_shape(p) for p in params}
+    dynamic = [p for p in params if shapes[p] is None]
     if dynamic:  # plain tensors under dynamic=True (parameters are static unless force_parameter_static_shapes is off)
         return (f"the expert weights {[name_of[p] for p in dynamic]} have dynamic sizes "
                 f"{[tuple(str(s) for s in example_value(p).shape) for p in dynamic]}; the operator needs E, h and d "
@@ -221,13 +230,13 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
     if other:
         return (f"expert parameters of unsupported rank: {[tuple(example_value(p).shape) for p in other]}; store "
                 "each expert weight as [E, out, in] (or one nn.Linear per expert)")
-    roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in by_rank.get(3, [])]
+    roles: list[Role] = [Role([p], shapes[p]) for p in by_rank.get(3, [])]
     names = [name_of[p] for p in by_rank.get(3, [])]
     # 2-D: [E, n] biases beside 3-D weights, else the per-expert weights of a ModuleList
     per_expert = by_rank.get(2, [])
     if roles:
         for p in per_expert:
-            roles.append(Role([p], (*example_value(p).shape, 1), bias=True))
+            roles.append(Role([p], (*shapes[p], 1), bias=True))
             names.append(name_of[p])
         per_expert = []
     for group, bias in ((per_expert, False), (by_rank.get(1, []), True)):
@@ -236,7 +245,7 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
             return fam
         for skeleton, members in fam.items():
             members.sort(key=lambda m: m[0])
-            shape = tuple(example_value(members[0][1]).shape)
+            shape = shapes[members[0][1]]
             roles.append(Role([p for _, p in members], (len(members), *shape, 1) if bias else (len(members), *shape),
                               bias=bias))
             names.append(skeleton.replace("#", "*"))
