@@ -1,6 +1,8 @@
 """Survey: which Hugging Face transformers MoE families the moeblaze backend rewrites, and whether it stays exact.
 
-    python benchmarks/hf_survey.py OUT_DIR [FAMILY ...] [--timeout 300] [--max-params 50000000] [--max-memory-gb 8]
+    python benchmarks/hf_survey.py OUT_DIR [FAMILY ...] [--precisions fp32,autocast-bf16,casts-bf16] [--timeout 300]
+                                   [--max-params 50000000] [--max-memory-gb 8]
+    python benchmarks/hf_survey.py --table SURVEY_JSONL > TABLE_MD
 
 Runs on the CPU; no GPU needed: ``pip install torch && pip install -e ".[test]"`` (which brings transformers), then
 the command above. The current table is benchmarks/hf_survey_cpu.md (benchmarks/RESULTS.md, "Hugging Face model
@@ -31,6 +33,10 @@ the model can be built there) is not run, and the reason is recorded.
 
 Output: one JSON line per run appended to OUT_DIR/survey.jsonl (logs in OUT_DIR/logs/), then OUT_DIR/survey.md, a
 markdown table headed by the transformers, torch and moeblaze_fx versions (commit) and the date.
+
+Adding rows to the committed table: run only the families and precisions missing from it into a fresh OUT_DIR, append
+OUT_DIR/survey.jsonl to benchmarks/hf_survey_cpu.jsonl, and regenerate benchmarks/hf_survey_cpu.md from it with
+``--table``. Each row keeps the versions, commit and date it ran with, and the table's header lists every such batch.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..kernels.reference import Activation, ExpertParams
 from ..layout import ROLES, RoleView, encode_layout
@@ -207,7 +208,21 @@ def _families(params: list[fx.Node], name_of: dict[fx.Node, str]) -> dict[str, l
             "expert the same parameters (one nn.Linear per role)")
 
 
+def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The node's shape in ints (a size Dynamo has already specialised to a constant counts as one, and reading it adds
+    no guard), or None where a size is symbolic."""
+    shape = example_value(node).shape
+    return tuple(int(s) for s in shape) if all(is_concrete_int(s) for s in shape) else None
+
+
 def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[list[Role], list[str]] | str:
+    shapes = {p: _static_shape(p) for p in params}
+    dynamic = [p for p in params if shapes[p] is None]
+    if dynamic:  # plain tensors under dynamic=True (parameters are static unless force_parameter_static_shapes is off)
+        return (f"the expert weights {[name_of[p] for p in dynamic]} have dynamic sizes "
+                f"{[tuple(str(s) for s in example_value(p).shape) for p in dynamic]}; the operator needs E, h and d "
+                "fixed: mark each weight static (torch._dynamo.mark_static(w)) or mark only the token dimension "
+                "dynamic (torch._dynamo.mark_dynamic(x, 0)) instead of compiling with dynamic=True")
     by_rank: dict[int, list[fx.Node]] = {}
     for p in params:
         by_rank.setdefault(example_value(p).dim(), []).append(p)
@@ -215,22 +230,28 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
     if other:
         return (f"expert parameters of unsupported rank: {[tuple(example_value(p).shape) for p in other]}; store "
                 "each expert weight as [E, out, in] (or one nn.Linear per expert)")
-    roles: list[Role] = [Role([p], tuple(example_value(p).shape)) for p in by_rank.get(3, [])]
+    roles: list[Role] = [Role([p], shapes[p]) for p in by_rank.get(3, [])]
     names = [name_of[p] for p in by_rank.get(3, [])]
     # 2-D: [E, n] biases beside 3-D weights, else the per-expert weights of a ModuleList
     per_expert = by_rank.get(2, [])
     if roles:
         for p in per_expert:
-            roles.append(Role([p], (*example_value(p).shape, 1), bias=True))
+            roles.append(Role([p], (*shapes[p], 1), bias=True))
             names.append(name_of[p])
         per_expert = []
     for group, bias in ((per_expert, False), (by_rank.get(1, []), True)):
         fam = _families(group, name_of)
+        if isinstance(fam, str) and bias and by_rank.get(3):
+            return (f"the region reads {[name_of[p] for p in group]} {[shapes[p] for p in group]} beside the stacked "
+                    f"expert weights {[name_of[p] for p in by_rank[3]]}: a 1-D tensor is no weight or bias of stacked "
+                    "experts. A per-expert scale of the combine weights (Gemma 4's router.per_expert_scale) is taken "
+                    "into the region when it is read through a cast (casts in forward, parametrize): apply it to the "
+                    "combine weights without a cast in between; otherwise nothing can be changed")
         if isinstance(fam, str):
             return fam
         for skeleton, members in fam.items():
             members.sort(key=lambda m: m[0])
-            shape = tuple(example_value(members[0][1]).shape)
+            shape = shapes[members[0][1]]
             roles.append(Role([p for _, p in members], (len(members), *shape, 1) if bias else (len(members), *shape),
                               bias=bias))
             names.append(skeleton.replace("#", "*"))
@@ -467,8 +488,8 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
                 f"{[(n.name, tuple(example_value(n).shape)) for n in data]}: another function than the operator's, "
                 "nothing can be changed")
     if not param_inputs:
-        return ("the grouped experts read no parameters; make the expert weights parameters of the module "
-                "(nn.Parameter)")
+        return ("the grouped experts read no expert weights the operator can take; make them parameters of the "
+                "module (nn.Parameter) or pass them as stacked [E, out, in] tensors")
     found = _param_roles(param_inputs, name_of)
     if isinstance(found, str):
         return found

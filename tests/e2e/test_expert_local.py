@@ -10,13 +10,15 @@ the counts is not.
 """
 from __future__ import annotations
 
+import functools
+
 import expecttest
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from helpers import rewritten_graph, run_eager_and_compiled
+from helpers import TOL, rewritten_graph, run_eager_and_compiled
 
 import moeblaze_fx
 
@@ -100,12 +102,117 @@ def test_grouping_that_does_not_match_the_counts_is_not_rewritten(ranks):
     assert record.reason.startswith("the region's output differs from the MoE operator"), record.reason
 
 
+def experts_on_plain_weights(x, counts, w1, w3, w2, flipped=False):
+    """GroupedExperts' computation over weights passed as arguments (a function compiled with them: plain tensors,
+    not parameters), already cast to bf16 by the caller, outside the compiled region. The ranks are read off the
+    counts ``[ranks * E]``; ``flipped``: the offsets read the counts backwards (another function than the
+    operator's)."""
+    order, per_expert = permute_indices(counts, E, counts.shape[0] // E, x.shape[0])
+    offsets = torch.cumsum(per_expert.flip(0) if flipped else per_expert, dim=0, dtype=torch.int32)
+    rows = x[order, :].bfloat16()
+    h = F.silu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(rows, w3.transpose(-2, -1), offs=offsets)
+    y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
+    out = y.new_empty(x.shape)
+    out[order, :] = y
+    return out
+
+
+def _masters():
+    """float32 expert weights [E, out, in] (leaves, as an optimizer's master weights), w1, w3, w2."""
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randn(E, *shape, generator=gen) / shape[1] ** 0.5).requires_grad_()
+            for shape in ((H, D), (H, D), (D, H))]
+
+
+def _plain_step(fn, x, counts, masters, cast=lambda w: w.bfloat16()):
+    """Forward with the masters cast outside ``fn``, backward to the tokens and through the casts to the masters."""
+    y = fn(x, counts, *(cast(w) for w in masters))
+    loss = (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum()
+    return (y.detach(), *torch.autograd.grad(loss, (x, *masters)))
+
+
+def _assert_matches(got, want, tol):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype == torch.float32, (i, a.dtype, b.dtype)  # the masters' gradients stay float32
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err <= tol, f"tensor {i} (output, x, w1, w3, w2): relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks-rank-major"])
+def test_plain_tensor_weights_cast_outside_are_rewritten(ranks):
+    """Stacked weights cast to bf16 outside the compiled function (``w.bfloat16()`` of float32 masters, passed in):
+    graph inputs that are plain tensors, the operator's weights as parameters are; the output, the tokens' gradient
+    and the masters' float32 gradients (through the casts) as in eager."""
+    x, counts = _inputs(ranks)
+    masters = _masters()
+    want = _plain_step(experts_on_plain_weights, x, counts, masters)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(experts_on_plain_weights, backend="moeblaze", fullgraph=True, options={"inductor": False})
+    got = _plain_step(compiled, x, counts, masters)
+    assert dict(counters["moeblaze"]) == {"rewritten": 1}, [r.reason for r in moeblaze_fx.last_report()]
+    (record,) = moeblaze_fx.last_report()
+    assert record.idiom == "grouped_mm over rows grouped by counts" and (record.K, record.E) == (1, E)
+    assert record.dtype == "bfloat16"
+    assert record.layout == "gate = w1, up = w3, down = w2; activation swiglu", record.layout
+    _assert_matches(got, want, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_plain_tensor_weights_grouped_against_the_counts_are_not_rewritten(ranks):
+    """The same plain weights with the offsets read backwards: the proof rejects it and the function runs as
+    written."""
+    x, counts = _inputs(ranks)
+    masters = _masters()
+    flipped = functools.partial(experts_on_plain_weights, flipped=True)
+    want = _plain_step(flipped, x, counts, masters)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _plain_step(torch.compile(flipped, backend="moeblaze", fullgraph=True, options={"inductor": False}), x,
+                      counts, masters)
+    assert dict(counters["moeblaze"]) == {"skipped": 1}
+    (record,) = moeblaze_fx.last_report()
+    assert record.reason.startswith("the region's output differs from the MoE operator"), record.reason
+    _assert_matches(got, want, 1e-6)
+
+
+def test_plain_tensor_weights_under_dynamic_true():
+    """Under dynamic=True plain weights get symbolic E, h and d (parameters stay static): skipped with a reason that
+    says what to change (was: "internal error while extracting: TypeError: unhashable type: non-nested SymInt"), and
+    rewritten once the weights are marked static as the reason says."""
+    x, counts = _inputs(2)
+    masters = _masters()
+    want = _plain_step(experts_on_plain_weights, x, counts, masters)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(experts_on_plain_weights, backend="moeblaze", fullgraph=True, dynamic=True,
+                             options={"inductor": False})
+    got = _plain_step(compiled, x, counts, masters)
+    assert dict(counters["moeblaze"]) == {"skipped": 1}
+    (record,) = moeblaze_fx.last_report()
+    assert record.reason.startswith("the expert weights ['w1', 'w3', 'w2'] have dynamic sizes"), record.reason
+    assert "torch._dynamo.mark_static(w)" in record.reason, record.reason
+    _assert_matches(got, want, 1e-6)
+
+    def static(w):
+        w = w.bfloat16()
+        torch._dynamo.mark_static(w)
+        return w
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = _plain_step(compiled, x, counts, masters, cast=static)
+    assert dict(counters["moeblaze"]) == {"rewritten": 1}, [r.reason for r in moeblaze_fx.last_report()]
+    _assert_matches(got, want, TOL[torch.bfloat16])
+
+
 class TestGolden(expecttest.TestCase):
     def test_report(self):
         torch.compile(GroupedExperts(2), backend="moeblaze", fullgraph=True, options={"inductor": False})(*_inputs(2))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 1 of 1 MoE candidate(s) rewritten
-  [0] rewritten tests/e2e/test_expert_local.py:68  grouped_mm over rows grouped by counts
+  [0] rewritten tests/e2e/test_expert_local.py:70  grouped_mm over rows grouped by counts
       T=23 d=16 h=24 E=4 K=1 bfloat16  policy=activations  saved for backward: 14.9 KB -> 3.1 KB
       layout: gate = w1, up = w3, down = w2; activation swiglu; check: numerical: forward and gradients within rel. error 1e-02 of the operator""")
 

@@ -152,3 +152,69 @@ def test_plain_tensor_weights_are_rewritten():
     assert dict(counters["moeblaze"]) == {"skipped": 1}, dict(counters["moeblaze"])
     assert "differs from the MoE operator" in moeblaze_fx.last_report()[0].reason
     torch.testing.assert_close(shifted, _loop_block(x, router, w_gu, w_d, shift=1), rtol=1e-6, atol=1e-6)
+
+
+def test_plain_tensor_weights_under_dynamic_true_are_rewritten_once_their_sizes_are_fixed():
+    """dynamic=True gives plain tensors symbolic sizes; here the router parameter fixes d, and E and h follow from the
+    products (Dynamo specialises them to constants). Such sizes are the operator's fixed sizes: rewritten, and the
+    output and every gradient (tokens, router, plain weights) as in eager. Was: "internal error while extracting:
+    TypeError: unhashable type: non-nested SymInt"."""
+    g = torch.Generator().manual_seed(3)
+    E, h = 4, 8
+
+    class Router(nn.Module):  # the router a parameter, the expert weights passed in
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Parameter(torch.randn(D, E, generator=g))
+
+        def forward(self, x, w_gu, w_d):
+            return _loop_block(x, self.router, w_gu, w_d)
+
+    model = Router()
+    x = torch.randn(21, D, generator=g).requires_grad_()
+    w_gu = (torch.randn(E, 2 * h, D, generator=g) / D ** 0.5).requires_grad_()
+    w_d = (torch.randn(E, D, h, generator=g) / h ** 0.5).requires_grad_()
+
+    def step(fn):
+        y = fn(x, w_gu, w_d)
+        return (y.detach(), *torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum(),
+                                                 (x, model.router, w_gu, w_d)))
+
+    want = step(model)
+    torch._dynamo.reset()
+    counters.clear()
+    got = step(torch.compile(model, backend="moeblaze", fullgraph=True, dynamic=True, options={"inductor": False}))
+    assert dict(counters["moeblaze"]) == {"rewritten": 1}, [r.reason for r in moeblaze_fx.last_report()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_per_expert_scale_read_through_a_cast_is_reported():
+    """Gemma 4 with every parameter cast to bf16 where forward reads it (parametrize): the router's per-expert scale
+    of the combine weights, ``per_expert_scale.to(bf16)[ids]``, is taken into the region with the experts (the
+    region finder pulls the parameter's cast in before it sets the router's weights apart), so the region is not the
+    operator's. Skipped, with a reason that names the tensor and what to change (was: "the per-expert parameters do
+    not form families", which pointed at the experts); the step runs as written."""
+    import torch.nn.utils.parametrize as parametrize
+    from test_hf import LAYERS, _tokens, build_family
+
+    class Cast(nn.Module):
+        def forward(self, w):
+            return w.to(torch.bfloat16)
+
+    model = build_family("gemma4", "grouped_mm").eval()
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            parametrize.register_parametrization(module, name, Cast(), unsafe=True)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens, use_cache=False).logits
+        torch._dynamo.reset()
+        counters.clear()
+        got = torch.compile(model, backend="moeblaze", options={"inductor": False})(tokens, use_cache=False).logits
+    assert dict(counters["moeblaze"]) == {"skipped": LAYERS}
+    for record in moeblaze_fx.last_report():
+        assert record.reason.startswith("the region reads ['model.layers."), record.reason
+        assert "router.parametrizations.per_expert_scale.original'] [(8,)]" in record.reason, record.reason
+        assert "apply it to the combine weights without a cast in between" in record.reason
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
