@@ -304,6 +304,10 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
         if capacity is not None:
             cand.reason = _capacity_reason(*capacity)
             continue
+        # the weights out before the support comes in too: a parameter-only producer the weights read (Gemma 4's
+        # per_expert_scale cast to bf16 in forward, then indexed by the ids) would otherwise be pulled in and hide
+        # them from _weight_members
+        _push_out_weights(body, ids)
         _pull_in_support(body, ids, params, static, num_tokens=_num_tokens(ids), d=example_value(out).shape[-1])
         _push_out_weights(body, ids)
         if collectives := _collectives(body):  # pulled in with the support

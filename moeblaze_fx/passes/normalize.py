@@ -283,11 +283,23 @@ def _functionalize(graph: fx.Graph) -> int:
         new.meta = dict(node.meta)
         # the updated tensor's value: a view of it taken later records that storage too, and stays its alias
         new.meta["example_value"] = example_value(base)
-        by_storage[ref].append(new)
-        node.replace_all_uses_with(new)
+        result = new
+        base_dtype = example_value(base).dtype
+        if target not in (functional_setitem, functional_copy) and any(
+                isinstance(v := example_value(a), torch.Tensor) and v.is_floating_point() and v.dtype != base_dtype
+                for a in node.all_input_nodes if a is not base):
+            # an in-place update keeps its tensor's dtype, the out-of-place op promotes (bf16 *= a float32 tensor:
+            # bf16, bf16 * it: float32): cast back, as the update stores
+            with graph.inserting_after(new):
+                result = graph.create_node("call_method", "to", (new, base_dtype), name=f"{node.name}_functional_cast")
+            result.meta = dict(new.meta)
+            new.meta.pop("example_value")  # its dtype is the promoted one, not recorded
+            order[result] = order[node] + 0.75
+        by_storage[ref].append(result)
+        node.replace_all_uses_with(result)
         for user in list(base.users):
-            if user is not new and order.get(user, -1) > order[node]:
-                user.replace_input_with(base, new)
+            if user not in (new, result) and order.get(user, -1) > order[node]:
+                user.replace_input_with(base, result)
         order[new] = order[node] + 0.5
         graph.erase_node(node)
         changed += 1

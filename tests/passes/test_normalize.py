@@ -183,3 +183,23 @@ def test_library_frames_are_judged_below_site_packages():
     assert not is_plumbing(os.path.join(venv, "transformers", "models", "mixtral", "modeling_mixtral.py"))
     assert is_plumbing(os.path.join(os.sep, "src", "pytorch", "torch", "nn", "functional.py"))
     assert not is_plumbing(os.path.join(os.sep, "src", "model.py"))
+
+
+def updates_with_a_wider_dtype(x, scale):
+    out = x * 2  # fresh, bfloat16
+    out *= scale  # a float32 [1] tensor: the update stores bfloat16, `out * scale` would be float32
+    out.mul_(scale)  # the method form alike
+    return out
+
+
+def test_an_update_made_functional_keeps_its_dtype():
+    """Gemma 4's ``hidden_states *= self.layer_scalar`` (a float32 buffer) under casts to bf16: made functional, the
+    product is cast back to the updated tensor's dtype, as the update stores it; the readers see bfloat16."""
+    x, scale = torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor([1.5])
+    gm = normalize(_graph(updates_with_a_wider_dtype, x, scale))
+    names = [str(n.target) for n in gm.graph.nodes]
+    assert "mul_" not in names and operator.imul not in [n.target for n in gm.graph.nodes]
+    assert sum(n.op == "call_method" and n.target == "to" for n in gm.graph.nodes) == 2
+    got, want = gm(x, scale)[0], updates_with_a_wider_dtype(x, scale)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
