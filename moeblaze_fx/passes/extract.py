@@ -243,10 +243,10 @@ def _param_roles(params: list[fx.Node], name_of: dict[fx.Node, str]) -> tuple[li
         fam = _families(group, name_of)
         if isinstance(fam, str) and bias and by_rank.get(3):
             return (f"the region reads {[name_of[p] for p in group]} {[shapes[p] for p in group]} beside the stacked "
-                    f"expert weights {[name_of[p] for p in by_rank[3]]}: a 1-D tensor is no weight or bias of stacked "
-                    "experts. A per-expert scale of the combine weights (Gemma 4's router.per_expert_scale) is taken "
-                    "into the region when it is read through a cast (casts in forward, parametrize): apply it to the "
-                    "combine weights without a cast in between; otherwise nothing can be changed")
+                    f"expert weights {[name_of[p] for p in by_rank[3]]}: a 1-D tensor is neither a weight nor a bias "
+                    "of stacked experts, so the region computes another function than the operator's. A per-expert "
+                    "scale of the combine weights (Gemma 4's router.per_expert_scale) is left outside when it "
+                    "multiplies the routing weights before the experts read them; otherwise nothing can be changed")
         if isinstance(fam, str):
             return fam
         for skeleton, members in fam.items():

@@ -220,3 +220,37 @@ def test_every_parameter_cast_in_forward_gemma4_is_rewritten():
     got = run_under_autocast(Logits(model), (_tokens(),), None, tol=TOL[torch.bfloat16])
     assert got == {"rewritten": LAYERS}
     assert [(r.status, r.dtype) for r in moeblaze_fx.last_report()] == [("rewritten", "bfloat16")] * LAYERS
+
+
+class ScaledInside(nn.Module):
+    """Stacked experts whose hidden activations are scaled per expert by a 1-D [E] parameter inside the expert
+    computation: another function than the operator's."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.router = nn.Parameter(torch.randn(E, D, generator=gen) / D ** 0.5)
+        self.w1 = nn.Parameter(torch.randn(E, H, D, generator=gen) / D ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(E, H, D, generator=gen) / D ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(E, D, H, generator=gen) / H ** 0.5)
+        self.scale = nn.Parameter(torch.rand(E, generator=gen) + 0.5)
+
+    def forward(self, x):
+        w, ids = F.linear(x, self.router).softmax(-1).topk(K, dim=-1)
+        flat = ids.view(-1)
+        rows = x.repeat_interleave(K, dim=0).unsqueeze(-1)
+        h = F.silu(torch.bmm(self.w1[flat], rows)) * torch.bmm(self.w3[flat], rows) * self.scale[flat].view(-1, 1, 1)
+        y = torch.bmm(self.w2[flat], h).squeeze(-1)
+        return (y.view(-1, K, D) * w.unsqueeze(-1)).sum(1)
+
+
+def test_a_per_expert_scale_inside_the_experts_is_reported():
+    """A 1-D per-expert tensor read inside the experts beside stacked weights: skipped, the reason naming it; the step
+    runs as written."""
+    from helpers import run_eager_and_compiled
+
+    x = torch.randn(9, D, requires_grad=True)
+    assert run_eager_and_compiled(ScaledInside(), (x,)) == {"skipped": 1}
+    (record,) = moeblaze_fx.last_report()
+    assert record.reason.startswith("the region reads ['scale'] [(4,)] beside the stacked expert weights"), record.reason
+    assert "neither a weight nor a bias of stacked experts" in record.reason
