@@ -269,8 +269,8 @@ class TestGolden(expecttest.TestCase):
         torch.compile(WaitInTheExperts(), backend="moeblaze", fullgraph=True, options={"inductor": False})(_tokens(0))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.report.last_report()), """\
 moeblaze: 0 of 1 MoE candidate(s) rewritten
-  [0] skipped   tests/distributed/test_expert_parallel.py:264  -
-      reason: expert-parallel dispatch inside the region: it holds 4 collective or opaque op(s) (_c10d_functional::wait_tensor; first at tests/distributed/test_expert_parallel.py:262), which are never run at compile time (every rank must run them alike), so the region is left alone. The local expert computation between the all-to-alls is rewritten on its own where the received rows are grouped by expert with counts and the experts are grouped products over them (torch._grouped_mm with offs = cumsum of the counts, torchtitan's); here it is not, so the block runs as compiled without the operator""")
+  [0] skipped   tests/distributed/test_expert_parallel.py:263  -
+      reason: expert-parallel dispatch inside the region: it holds 4 collective or opaque op(s) (_c10d_functional::wait_tensor; first at tests/distributed/test_expert_parallel.py:261), which are never run at compile time (every rank must run them alike), so the region is left alone. The local expert computation between the all-to-alls is rewritten on its own where the received rows are grouped by expert with counts and the experts are grouped products over them (torch._grouped_mm with offs = cumsum of the counts, torchtitan's); here it is not, so the block runs as compiled without the operator""")
 
 
 def test_collective_in_region_is_never_proven():
