@@ -306,10 +306,13 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 
 def print_tables(rows, args, size: EPSize, device: torch.device, world: int) -> None:
+    import moeblaze_fx
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\nExpert parallelism + moeblaze: {world} ranks ({args.backend}, {name}), torch {torch.__version__}, "
           f"inductor={not args.no_inductor}, bf16 factor {args.bf16_factor:g}, float32 tol {args.tol_float32:g}\n"
-          f"size {dataclasses.asdict(size)} ({size.experts // world} experts per rank, tokens per rank)")
+          f"size {dataclasses.asdict(size)} ({size.experts // world} experts per rank, tokens per rank), "
+          f"moeblaze_fx {moeblaze_fx.__file__}")
     header = (f"{'case':36} {'rank':>4} {'counters':18} {'err vs fp32':>11} {'eager bf16':>10} {'worst ratio':>11}  "
               "result")
     print(header)
