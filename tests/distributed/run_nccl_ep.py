@@ -102,13 +102,15 @@ def main() -> int:
                         help=f"comma-separated, from: {', '.join(c.name for c in CASES)}")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
-    parser.add_argument("--bf16-factor", type=float, default=DEFAULT_BF16_FACTOR)
-    parser.add_argument("--tol-float32", type=float, default=DEFAULT_TOL_FLOAT32)
+    parser.add_argument("--bf16-factor", type=float, default=DEFAULT_BF16_FACTOR,
+                        help="a bf16 case's error against float32, at most this times eager bf16's own")
+    parser.add_argument("--tol-float32", type=float, default=DEFAULT_TOL_FLOAT32,
+                        help="the float32 loop case's relative error against float32")
     parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout")
     for field in dataclasses.fields(EPSize):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None,
-                            help=f"size (default {getattr(CPU_SIZE, field.name)} on cpu, "
-                                 f"{getattr(GPU_SIZE, field.name)} on cuda; tokens per rank)")
+                            help=f"{'tokens per rank' if field.name == 'tokens' else 'size'} (default "
+                                 f"{getattr(CPU_SIZE, field.name)} on cpu, {getattr(GPU_SIZE, field.name)} on cuda)")
     args = parser.parse_args()
 
     by_name = {c.name: c for c in CASES}
