@@ -1,7 +1,7 @@
 """The expert-parallel GPU script (``run_nccl_ep.py``) in its CPU mode: torchrun, 2 gloo ranks, small sizes, the
 backend without Inductor. It checks the script's own logic (counters, report, operator calls, the bf16 rule against
 the float32 reference, the PASS/FAIL table and exit status) where CI has no GPU; the GPU run is by hand (its
-docstring). The file takes about 55 s on two shared CPU cores (2026-11-27: 53 s, most of it the passing run).
+docstring). The file takes about a minute on two shared CPU cores (2026-11-27: 53 to 64 s, most of it the passing run).
 """
 from __future__ import annotations
 
