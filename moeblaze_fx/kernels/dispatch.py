@@ -73,7 +73,7 @@ from torch import Tensor
 
 from ..config import interpreting
 from .autotune import options
-from .launch import launch
+from .launch import launch, sized
 from .reference import DispatchPlan, dispatch_reference, max_tiles
 
 __all__ = ["DispatchConfig", "dispatch", "dispatch_forward", "default_config", "MAX_EXPERTS"]
@@ -140,7 +140,7 @@ def _sort_unique_keys(x, LOG_N: tl.constexpr):
     return tl.reshape(h, x.shape)
 
 
-@triton.jit
+@sized(triton.jit)
 def _dispatch_histogram_kernel(
     ids_ptr,  # [T, K] int32 | int64
     counts_ptr,  # [nc, E] int32, out: routed pairs of chunk c per expert
@@ -167,7 +167,7 @@ def _dispatch_histogram_kernel(
     tl.store(counts_ptr + c.to(tl.int64) * stride_counts_c + e, counts, mask=e < E)
 
 
-@triton.jit(do_not_specialize=["num_chunks"])  # a runtime int even when 1: it is cast to int64
+@sized(triton.jit)  # num_chunks is a runtime int even when 1: it is cast to int64
 def _dispatch_scan_kernel(
     chunk_base_ptr,  # [nc + 1, E] int32, in: counts; out: sum over earlier chunks; row nc: totals
     num_chunks,
@@ -191,7 +191,7 @@ def _dispatch_scan_kernel(
     tl.store(chunk_base_ptr + num_chunks.to(tl.int64) * stride_base_c + e, carry, mask=e_mask)
 
 
-@triton.jit(do_not_specialize=["num_chunks"])  # a runtime int even when 1: it is cast to int64
+@sized(triton.jit)  # num_chunks is a runtime int even when 1: it is cast to int64
 def _dispatch_scatter_kernel(
     ids_ptr,  # [T, K] int32 | int64
     chunk_base_ptr,  # [nc + 1, E] int32: slots of expert e taken by chunks before c; row nc: totals

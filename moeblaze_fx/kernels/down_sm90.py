@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .autotune import options
-from .launch import launch
+from .launch import launch, sized
 
 try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
     from triton.experimental import gluon
@@ -179,7 +179,7 @@ if _GLUON:
                     gl.store(c_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c + cols[None, :], v, mask=mask)
         tma.store_wait(0)
 
-    @gluon.jit
+    @sized(gluon.jit)
     def _expert_down_sm90_kernel(
         a_desc,  # [slot1 - slot0, k] (or [.., 2k] when TWO_B): the window's slot rows, block [BM, BK]
         b0_desc, b1_desc,  # B0 / B1 of every expert as 2-D row blocks (see the module doc); B1 = B0 unless TWO_B

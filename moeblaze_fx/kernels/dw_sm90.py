@@ -39,7 +39,7 @@ import torch
 
 from . import down_sm90
 from .down_sm90 import _GLUON
-from .launch import launch
+from .launch import launch, sized
 
 if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -226,7 +226,7 @@ if _GLUON:
         mbarrier.arrive(empty_a.index((g + SA) % SA), pred=pred)
         mbarrier.arrive(empty_b.index((g + SB) % SB), pred=pred)
 
-    @gluon.jit
+    @sized(gluon.jit)
     def _expert_dw_sm90_kernel(
         a_ptr,  # [T, m_dim] read at row token(s): dy or x; unit column stride
         b_ptr, b_desc,  # [slot1 - slot0, n_dim]: the window's slot rows of w*H, dA or dB; descriptor, block [BK, BN]

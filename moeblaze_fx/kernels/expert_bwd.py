@@ -86,7 +86,7 @@ from .expert_fwd import (
     tma_available,
     weight_tma_mode,
 )
-from .launch import launch
+from .launch import launch, sized
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable, interleaved_gate_up, table_of
 
@@ -186,7 +186,7 @@ def _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n
     "EVEN_K": lambda a: a["d"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["h"] % (a["BLOCK_N"] * a["SPLIT_N"]) == 0,
 })
-@triton.jit
+@sized(triton.jit)
 def _expert_dh_kernel(
     grad_y_ptr,  # [T, d] x.dtype: dL/dy, rows read through token_index
     x_ptr,  # [T, d] x.dtype: read when RECOMPUTE
@@ -361,7 +361,7 @@ def _token_rows(token_index_ptr, s, seg_hi, K, IDX: tl.constexpr):
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
     "ROWS32": lambda a: _offsets_fit_int32(a["a_ptr"], a["b_ptr"]),
 })
-@triton.jit
+@sized(triton.jit)
 def _expert_dw_kernel(
     a_ptr,  # [T, m_dim], read at row token(s): dy (dW_down) or x (dW_gate, dW_up)
     b_ptr,  # [slot1 - slot0, n_dim]: the window's slots of w*H (dW_down) or dA, dB (dW_gate, dW_up)
@@ -512,7 +512,7 @@ def _expert_dw_kernel(
 
 
 @triton.heuristics({"EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0})
-@triton.jit
+@sized(triton.jit)
 def _expert_bias_grad_kernel(
     src_ptr,  # GATHER: [T, n_dim] read at token rows (dy); else [slot1 - slot0, n_dim], the window's slots (dA, dB)
     weights_ptr,  # [T, K] any float dtype: scales each row when SCALE

@@ -85,7 +85,7 @@ from torch import Tensor
 from . import autotune, down_sm90, gather_sm90
 from .act import ACT_CODES, _act_forward
 from .autotune import plan_block_m
-from .launch import launch
+from .launch import launch, sized
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
 from .tables import ExpertTables, WeightTable, interleaved_gate_up
 
@@ -220,7 +220,7 @@ def _interleaved_up_loop(x_ptrs, w_base, pid_n, d, h, stride_x_d, stride_w_d, W_
     "EVEN_K": lambda a: a["d"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["h"] % a["BLOCK_N"] == 0,
 })
-@triton.jit
+@sized(triton.jit)
 def _expert_up_kernel(
     x_ptr,  # [T, d] x.dtype: tokens, rows read through token_index
     gate_table_ptr,  # [E] int64: byte address of W_gate[e] [h, d] (x.dtype), strides (stride_wg_n, stride_wg_d)
@@ -433,7 +433,7 @@ def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride
     "EVEN_K": lambda a: a["k_dim"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
 })
-@triton.jit
+@sized(triton.jit)
 def _expert_down_kernel(
     a_ptr,  # [slot1 - slot0, k_dim] (or [.., 2*k_dim] when TWO_B), the window's slots: H or dA|dB (for dX)
     b0_table_ptr,  # [E] int64: B0[e] [k_dim, n_dim] via (stride_b0_k, stride_b0_n): W_down[e].T or W_gate[e]
@@ -532,7 +532,7 @@ def _add_pairs(acc, y_ptr, weights_ptr, slot_of_ptr, t64, rows, offs_d, d, K, sl
 
 
 @triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BLOCK_D"] == 0})
-@triton.jit
+@sized(triton.jit)
 def _expert_combine_kernel(
     y_ptr,  # [slot1 - slot0, d], the window's slots: per-slot expert outputs (or per-slot dX in the backward)
     weights_ptr,  # [T, K] any float dtype, read when HAS_WEIGHTS
@@ -567,7 +567,7 @@ def _expert_combine_kernel(
 
 
 @triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BLOCK_D"] == 0})
-@triton.jit
+@sized(triton.jit)
 def _expert_combine_window_kernel(
     y_ptr,  # [slot1 - slot0, d], the window's slots: per-slot expert outputs (or per-slot dX in the backward)
     weights_ptr,  # [T, K] any float dtype, read when HAS_WEIGHTS

@@ -54,7 +54,7 @@ import torch
 
 from . import act as act_math
 from . import down_sm90, dw_sm90
-from .launch import launch
+from .launch import launch, sized
 from .down_sm90 import _GLUON
 from .reference import GATED_ACTIVATIONS
 
@@ -443,7 +443,7 @@ if _GLUON:
         ], [4], [PRODUCER_REGS])
 
     # Three names for one kernel, so that profiles tell the up projection, dh's GEMM and the fused dh apart.
-    @gluon.jit
+    @sized(gluon.jit)
     def _up_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
@@ -457,7 +457,7 @@ if _GLUON:
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
                      True, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT)
 
-    @gluon.jit
+    @sized(gluon.jit)
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                         tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                         n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
@@ -471,7 +471,7 @@ if _GLUON:
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
                      False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT)
 
-    @gluon.jit
+    @sized(gluon.jit)
     def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                             tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                             k_dim, n_dim, K: gl.constexpr, stride_a, e_rows0, e_rows1, stride_c0, stride_c1,

@@ -21,12 +21,29 @@ It is used where Triton 3.6 is installed, for launches with a tuple grid and no 
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 
 from ..config import interpreting
 
-__all__ = ["enabled", "launch", "stats"]
+__all__ = ["TOKEN_SIZED", "enabled", "launch", "sized", "stats"]
+
+# Runtime ints that follow the number of tokens: pairs, tiles, chunks, the end of a window. Triton specializes an int
+# argument on being 1 and on being divisible by 16, and compiles a kernel per pattern of those across its arguments;
+# where the token count changes from call to call (the rows an expert-parallel rank receives, ``dynamic=True``, a
+# short last batch), every new pattern of these was one more compile of each kernel. Not specialized, they cost
+# one compile per kernel whatever the count. The weights' sizes and every stride stay specialized.
+TOKEN_SIZED = frozenset({"N", "T", "n_tiles", "num_tiles", "tiles_total", "num_tile_programs", "num_chunks",
+                         "num_m", "slot1", "own_end"})
+
+
+def sized(jit):
+    """``jit`` (``triton.jit`` or ``gluon.jit``) with the kernel's :data:`TOKEN_SIZED` parameters not specialized."""
+    def wrap(fn):
+        return jit(fn, do_not_specialize=[n for n in inspect.signature(fn).parameters if n in TOKEN_SIZED])
+    return wrap
 
 # the launcher's calling convention and the compiled kernel's attributes relied on here are Triton 3.6's
 _SUPPORTED = triton.__version__.startswith("3.6.") and not interpreting()
@@ -76,13 +93,21 @@ def _arg_key(a):
 
 
 def _param_kinds(kernel) -> tuple:
-    """Which of the kernel's parameters are constexprs (a constexpr passed by position is keyed by its value), and
-    the names of the others (one of those passed by keyword is not keyed: Triton's path takes it)."""
+    """Per positional parameter: True for a constexpr (keyed by its value), "width" for an int Triton does not
+    specialize (keyed by its width only), False for the others; and the names of the non-constexprs (one of those
+    passed by keyword is not keyed: Triton's path takes it)."""
     flags = _PARAM_KINDS.get(kernel)
     if flags is None:
-        flags = _PARAM_KINDS[kernel] = (tuple(bool(p.is_constexpr) for p in kernel.params),
-                                       frozenset(p.name for p in kernel.params if not p.is_constexpr))
+        flags = _PARAM_KINDS[kernel] = (
+            tuple(True if p.is_constexpr else "width" if getattr(p, "do_not_specialize", False) else False
+                  for p in kernel.params),
+            frozenset(p.name for p in kernel.params if not p.is_constexpr))
     return flags
+
+
+def _width_key(a):
+    """An unspecialized argument: an int by its width, as Triton still types it; anything else as usual."""
+    return (int, -2**31 <= a < 2**31, -2**63 <= a < 2**63) if type(a) is int else _arg_key(a)
 
 
 def _key(kernel, args, kwargs):
@@ -90,7 +115,8 @@ def _key(kernel, args, kwargs):
     if not runtime_names.isdisjoint(kwargs) or getattr(kernel, "pre_run_hooks", None):
         return None
     try:
-        args_key = tuple(a if constexpr else _arg_key(a) for a, constexpr in zip(args, positional))
+        args_key = tuple(a if kind is True else _width_key(a) if kind else _arg_key(a)
+                         for a, kind in zip(args, positional))
     except _Unkeyed:
         return None
     # Triton's own options from its knobs: a kernel compiled without device asserts is not reused with them

@@ -11,9 +11,10 @@ from moeblaze_fx.kernels import launch as L
 
 
 class _Param:
-    def __init__(self, name, default=inspect.Parameter.empty):
+    def __init__(self, name, default=inspect.Parameter.empty, unspecialized=False):
         self.name, self.default = name, default
         self.is_constexpr = name.isupper()  # the stand-in's convention: constexprs are upper case
+        self.do_not_specialize = unspecialized
 
     @property
     def has_default(self):
@@ -31,8 +32,8 @@ class _Compiled:
 class _Kernel:
     """``kernel[grid](*args, **kwargs)`` records a slow launch and returns one compiled kernel per call."""
 
-    def __init__(self, names, defaults):
-        self.params = [_Param(n, defaults.get(n, inspect.Parameter.empty)) for n in names]
+    def __init__(self, names, defaults, unspecialized=()):
+        self.params = [_Param(n, defaults.get(n, inspect.Parameter.empty), n in unspecialized) for n in names]
         self.calls = []
 
     def __getitem__(self, grid):
@@ -174,6 +175,93 @@ def test_off_where_triton_is_not_3_6_or_interpreted():
     import triton
 
     assert L.enabled() == (triton.__version__.startswith("3.6.") and not L.interpreting())
+
+
+def test_an_unspecialized_int_is_keyed_by_its_width_only(fast):
+    rows = _Kernel(["x", "rows", "BLOCK"], {}, unspecialized=("rows",))
+    for n in (17, 32, 1, 4104, 2**40, 2**40 + 16):  # Triton does not specialize it on 1 or on 16: only its width
+        L.launch(rows, (1,), torch.zeros(4), n, BLOCK=64)
+    assert _kinds(rows) == ["slow", "fast", "fast", "fast", "slow", "fast"]
+    assert rows.calls[1][1][-2:] == (32, 64)  # the launcher gets this launch's value
+
+
+def _launched_kernels():
+    """Every kernel the operator launches: (module.name, its JIT function), autotuners and heuristics unwrapped."""
+    import importlib
+
+    out = []
+    for module in ("dispatch", "expert_fwd", "expert_bwd", "down_sm90", "dw_sm90", "gather_sm90"):
+        mod = importlib.import_module(f"moeblaze_fx.kernels.{module}")
+        for name, obj in vars(mod).items():
+            while hasattr(obj, "fn") and not hasattr(obj, "params"):  # triton.autotune, triton.heuristics
+                obj = obj.fn
+            if name.endswith("_kernel") and hasattr(obj, "params"):
+                out.append((f"{module}.{name}", obj))
+    return out
+
+
+_UNSPECIALIZED_TABLE = """
+import json
+from tests.kernels.test_launch import _launched_kernels
+print(json.dumps({name: [p.name for p in k.params if p.do_not_specialize] for name, k in _launched_kernels()}))
+"""
+
+
+def test_token_sized_parameters_are_never_specialized():
+    """A kernel compiled once serves every token count: each parameter that follows it (pairs, tiles, chunks, a
+    window's end) is left unspecialized in every kernel the operator launches. Read in a process without Triton's
+    interpreter, whose kernels do not keep their parameters' specialization."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _UNSPECIALIZED_TABLE], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    unspecialized = json.loads(done.stdout.strip().splitlines()[-1])
+    # dispatch 3, forward 4, backward 3; the sm_90 Gluon kernels where this Triton has Gluon
+    assert len(unspecialized) >= 10, sorted(unspecialized)
+    source = {name: k for name, k in _launched_kernels()}  # every kernel's parameter names (this process)
+    for name, names in unspecialized.items():
+        params = {p.name for p in source[name].params} if name in source else set(names)
+        assert sorted(params & L.TOKEN_SIZED) == sorted(names), name
+    assert sorted(unspecialized["dispatch._dispatch_scatter_kernel"]) == ["N", "n_tiles", "num_chunks",
+                                                                          "num_tile_programs"]
+    assert sorted(unspecialized["expert_fwd._expert_up_kernel"]) == ["num_tiles", "slot1", "tiles_total"]
+    assert sorted(unspecialized["expert_fwd._expert_combine_kernel"]) == ["T", "slot1"]
+
+
+@pytest.mark.cuda
+def test_cuda_new_token_counts_compile_nothing():
+    """Once a size has run, other token counts (T and T*K with other residues mod 16, other tile counts) reuse every
+    compiled kernel: the count of compiled specializations does not grow (a kernel per divisibility pattern of the
+    token-sized ints did: torchtitan's expert parallelism, whose rows change every step, compiled most steps)."""
+    from moeblaze_fx import moe_ffn
+
+    d, h, E, K = 256, 192, 8, 2
+    g = torch.Generator().manual_seed(0)
+    wgu = (torch.randn(E, 2 * h, d, generator=g) / d**0.5).cuda().bfloat16().requires_grad_()
+    wd = (torch.randn(E, d, h, generator=g) / h**0.5).cuda().bfloat16().requires_grad_()
+
+    def step(T):
+        x = torch.randn(T, d, generator=g).cuda().bfloat16().requires_grad_()
+        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].cuda()
+        w = torch.rand(T, K, generator=g).cuda().bfloat16().requires_grad_()
+        y = moe_ffn(x, ids, w, (wgu, wd))
+        torch.autograd.grad(y, (x, w, wgu, wd), torch.randn_like(y))
+
+    def compiled():
+        return sum(len(cache[0]) for _, k in _launched_kernels() for cache in k.device_caches.values())
+
+    step(1000)
+    before = compiled()
+    assert before > 0
+    for T in (1008, 1001, 1016, 1003, 1024, 1999, 2048):
+        step(T)
+    assert compiled() == before
 
 
 @pytest.mark.cuda
