@@ -598,16 +598,24 @@ def _split_call(name, x, params, layout, plan, kernel_options):
 
 def _torch_phase(phase, grad_y, x, ids, weights, params, views, E, act, preact, dpre, groups, opts):
     """One phase of the split backward on the CPU path (one chunk): (the phase's two tensors of
-    ``reference.moe_ffn_backward_torch``, the gradients of ``groups``). The plan is built again from ids: the
-    dispatch is deterministic, so it is the forward's, the slot order of ``preact`` and ``dpre``."""
+    ``reference.moe_ffn_backward_torch``, the gradients of ``groups``, written in place through views of their
+    buffers: no dense copy beside them). The plan is built again from ids: the dispatch is deterministic, so it is
+    the forward's, the slot order of ``preact`` and ``dpre``."""
     plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
-    first, second, grads = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, dense_experts(params, views, E),
-                                                            preact, plan, act, False, phase=phase, dpre=dpre)
     bufs = _grad_buffers(params, views, E, groups)
-    for v, g in zip(views, grads or [None] * len(views)):
-        if v is not None and g is not None:
-            _store_role(bufs, v, E, g, False)
+    experts = dense_experts(params, views, E)
+    # the roles of these groups as [E, rows, cols] (biases [E, n]) views: a phase writes only its side's roles,
+    # and a side's roles are exactly those its groups hold
+    out = ExpertParams(*[None if v is None or v.first not in bufs else _role_view(bufs, v, E, role)
+                         for role, v in zip(ROLES, views)])
+    first, second, _ = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act, False,
+                                                        phase=phase, dpre=dpre, out=out)
     return first, second, list(bufs.values())
+
+
+def _role_view(bufs, v, E, role):
+    view = _grad_role(bufs, v, E)
+    return view[..., 0] if role.endswith("bias") else view
 
 
 @torch.library.custom_op("moeblaze::moe_ffn_backward_act", mutates_args=())

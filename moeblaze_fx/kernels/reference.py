@@ -498,6 +498,7 @@ def moe_ffn_backward_torch(
     *,
     phase: str = "all",
     dpre: Tensor | None = None,
+    out: ExpertParams | None = None,
 ) -> tuple[Tensor | None, Tensor | None, ExpertParams | None]:
     """Returns (dx, dweights, grads) with ``grads`` an :class:`ExpertParams` of the gradients of
     ``experts`` (None where ``experts`` has None). ``recompute``: the memory policy; True computes the
@@ -511,7 +512,11 @@ def moe_ffn_backward_torch(
     rows of unrouted slots zero; dweights; grads with only the down projection's roles); ``"dx"`` takes that dA|dB
     as ``dpre`` and returns (dx, None, None); ``"dw"`` takes it too and returns (None, None, grads with only the
     gate and up roles and their biases). Together they compute bitwise what ``"all"`` does (dA|dB holds each
-    expert's dgate|dup in x's dtype, the dtype ``"all"`` computes them in)."""
+    expert's dgate|dup in x's dtype, the dtype ``"all"`` computes them in).
+
+    ``out`` (CPU only): tensors of the gradients' shapes and dtypes, any strides (views of the caller's gradient
+    buffers), that the roles this call writes are written into (zeroed first, for the experts with no slots)
+    instead of new zero-filled ones, so that the caller needs no second copy; ``grads`` then holds them."""
     act = parse_activation(activation)
     if phase not in ("all", "act", "dx", "dw"):
         raise ValueError(f"phase must be one of ('all', 'act', 'dx', 'dw'), got {phase!r}")
@@ -522,14 +527,15 @@ def moe_ffn_backward_torch(
         raise ValueError(f"recompute={recompute} does not match preact of shape {tuple(preact.shape)}")
     if x.device.type == "cpu":
         return _backward_by_expert(grad_y, x, ids.shape[1], weights, experts, preact, plan, act, recompute, phase,
-                                   dpre)
-    if phase != "all":
-        raise ValueError(f"phase {phase!r} runs on the CPU (the walk of the experts), got x on {x.device}; "
-                         "use phase='all'")
+                                   dpre, out)
+    if phase != "all" or out is not None:
+        raise ValueError(f"phase {phase!r} and out run on the CPU (the walk of the experts), got x on {x.device}; "
+                         "use phase='all' without out")
     return _backward_by_tile(grad_y, x, ids.shape[1], weights, experts, preact, plan, act, recompute)
 
 
-def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recompute, phase="all", dpre=None):
+def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recompute, phase="all", dpre=None,
+                        out=None):
     T, d = x.shape
     p = experts
     h = p.gate.shape[1]
@@ -542,8 +548,18 @@ def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recom
     dweights = torch.zeros(T * K, dtype=acc, device=x.device) if act_phase else None
     roles = {"all": ExpertParams._fields, "act": ("down", "down_bias"), "dx": (),
              "dw": ("gate", "up", "gate_bias", "up_bias")}[phase]
-    grads = ExpertParams(*[None if t is None or role not in roles else torch.zeros_like(t)
-                           for role, t in zip(ExpertParams._fields, p)])
+    if out is None:
+        out = ExpertParams(*[None if t is None or role not in roles else torch.zeros_like(t)
+                             for role, t in zip(ExpertParams._fields, p)])
+    elif any(role in roles and ((o is None) != (t is None) or (o is not None and (o.shape, o.dtype) != (t.shape, t.dtype)))
+             for role, o, t in zip(ExpertParams._fields, out, p)):
+        raise ValueError(f"out must hold a tensor of each present parameter's shape and dtype for the roles {roles} "
+                         f"of phase {phase!r}: {[None if t is None else (tuple(t.shape), t.dtype) for t in p]}, got "
+                         f"{[None if o is None else (tuple(o.shape), o.dtype) for o in out]}")
+    else:
+        out = ExpertParams(*[o.zero_() if o is not None and role in roles else None
+                             for role, o in zip(ExpertParams._fields, out)])
+    grads = ExpertParams(*[o if role in roles else None for role, o in zip(ExpertParams._fields, out)])
     ranges = _expert_ranges(plan)
     if phase == "act":  # dA|dB of every routed slot; the unrouted ones (from offsets[E] on) zero
         dpre = x.new_empty((T * K, width))
