@@ -23,12 +23,12 @@ of each parameter's own layout.
 
 AOTAutograd saves for the backward exactly x, the ids, the routing weights, the forward's plan (two int32 per
 pair, Triton path) and, under the default policy, the pre-activations; the PyTorch path rebuilds its plans in
-backward by the same deterministic dispatch. The backward is ``moeblaze::moe_ffn_backward``, or, under "activations" with
-one slot window on the Triton path (one chunk of tokens on the CPU path), three operators: ``moe_ffn_backward_act``
-(dA|dB, dweights, the down projection's gradients), ``moe_ffn_backward_dx`` (dx) and ``moe_ffn_backward_dw`` (the
-gate|up gradients), so that the saved pre-activations are freed before the gate|up gradient is allocated and that
-gradient need not exist before dx (see "The split backward" below). ``chunk_tokens`` (0: no
-bound) bounds the operator's transient buffers. The Triton path builds one plan and runs its
+backward by the same deterministic dispatch. The backward is ``moeblaze::moe_ffn_backward``, or, under
+"activations" with one slot window on the Triton path (one chunk of tokens on the CPU path), three operators:
+``moe_ffn_backward_act`` (dA|dB, dweights, the down projection's gradients), ``moe_ffn_backward_dx`` (dx) and
+``moe_ffn_backward_dw`` (the gate|up gradients), so that the saved pre-activations are freed before the gate|up
+gradient is allocated and that gradient need not exist before dx (see "The split backward" below).
+``chunk_tokens`` (0: no bound) bounds the operator's transient buffers. The Triton path builds one plan and runs its
 expert-sorted slots in windows of ``chunk_tokens * K`` slots: each expert's weights are read by the
 windows its slots fall in (not by every window), its weight gradient is written by the window where its
 slots start and added to by any later one they reach, and y / dx accumulate across windows. The PyTorch

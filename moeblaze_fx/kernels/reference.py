@@ -551,8 +551,8 @@ def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recom
     if out is None:
         out = ExpertParams(*[None if t is None or role not in roles else torch.zeros_like(t)
                              for role, t in zip(ExpertParams._fields, p)])
-    elif any(role in roles and ((o is None) != (t is None) or (o is not None and (o.shape, o.dtype) != (t.shape, t.dtype)))
-             for role, o, t in zip(ExpertParams._fields, out, p)):
+    elif any((o is None) != (t is None) or o is not None and (o.shape, o.dtype) != (t.shape, t.dtype)
+             for role, o, t in zip(ExpertParams._fields, out, p) if role in roles):
         raise ValueError(f"out must hold a tensor of each present parameter's shape and dtype for the roles {roles} "
                          f"of phase {phase!r}: {[None if t is None else (tuple(t.shape), t.dtype) for t in p]}, got "
                          f"{[None if o is None else (tuple(o.shape), o.dtype) for o in out]}")
