@@ -23,11 +23,12 @@ of each parameter's own layout.
 
 AOTAutograd saves for the backward exactly x, the ids, the routing weights, the forward's plan (two int32 per
 pair, Triton path) and, under the default policy, the pre-activations; the PyTorch path rebuilds its plans in
-backward by the same deterministic dispatch. The backward is ``moeblaze::moe_ffn_backward``, or, on the Triton path
-with one slot window under "activations", its two halves ``moe_ffn_backward_act`` (dA|dB, dweights, the down
-projection's gradients) and ``moe_ffn_backward_dx`` (dx, the gate|up gradients), so that the saved pre-activations
-are freed before the gate|up gradient is allocated (see "The split backward" below). ``chunk_tokens`` (0: no
-bound) bounds the operator's transient buffers. The Triton path builds one plan and runs its
+backward by the same deterministic dispatch. The backward is ``moeblaze::moe_ffn_backward``, or, under
+"activations" with one slot window on the Triton path (one chunk of tokens on the CPU path), three operators:
+``moe_ffn_backward_act`` (dA|dB, dweights, the down projection's gradients), ``moe_ffn_backward_dx`` (dx) and
+``moe_ffn_backward_dw`` (the gate|up gradients), so that the saved pre-activations are freed before the gate|up
+gradient is allocated and that gradient need not exist before dx (see "The split backward" below).
+``chunk_tokens`` (0: no bound) bounds the operator's transient buffers. The Triton path builds one plan and runs its
 expert-sorted slots in windows of ``chunk_tokens * K`` slots: each expert's weights are read by the
 windows its slots fall in (not by every window), its weight gradient is written by the window where its
 slots start and added to by any later one they reach, and y / dx accumulate across windows. The PyTorch
@@ -526,22 +527,28 @@ def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan
 
 
 # ---------------------------------------------------------------------------------------------
-# The split backward: two operators, so that the saved A|B can be freed between them
+# The split backward: three operators, so that the saved A|B can be freed between them and the gate|up gradients
+# are not tied to dx
 # ---------------------------------------------------------------------------------------------
 # One backward operator holds its arguments to its end: the saved A|B [T*K, 2h] stays alive while dA|dB [T*K, 2h]
 # and the weight gradients are allocated, where Inductor's own backward frees its A|B after the activation's
-# gradient. On the Triton path with one slot window the backward is therefore two operators (the autograd formula
-# picks them; the compiled backward frees each argument after its last use):
+# gradient. And one operator returning dx with the gate|up gradients makes every one of them exist before dx, so
+# before what the layers below compute from dx (a model's embedding gradient, a float32 [vocab, d] accumulator),
+# where Inductor's scheduler computes its own dW_gate|up after that accumulator is freed (docs/memory.md). With one
+# slot window under "activations" (on the Triton path, or the plain-PyTorch path's walk of the experts on the CPU
+# in one chunk of tokens) the backward is therefore three operators (the autograd formula picks them; the
+# compiled backward frees each argument after its last use, and nothing orders the third after the second):
 #   moe_ffn_backward_act(grad_y, x, ..., preact, plan) -> (dA|dB, dweights, gradients of the down side's groups)
-#   moe_ffn_backward_dx(dA|dB, x, ..., plan)            -> (dx, gradients of the other groups)
-# The second allocates the gate|up gradient with dA|dB alive but A|B freed: one [T*K, 2h] buffer, as in Inductor's.
+#   moe_ffn_backward_dx(dA|dB, x, ..., plan)            -> dx
+#   moe_ffn_backward_dw(dA|dB, x, ..., plan)            -> gradients of the other (gate side's) groups
+# The third allocates the gate|up gradient with dA|dB alive but A|B freed: one [T*K, 2h] buffer, as in Inductor's.
 _DOWN_SIDE = ("down", "down_bias")
 
 
 def _side_groups(num_params: int, views: Sequence[RoleView | None],
                  E: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
     """(the gradient groups of :func:`_groups` that hold the down projection's roles, the others); None where one
-    group holds roles of both (one buffer that neither half could return whole)."""
+    group holds roles of both (one buffer that neither side's operator could return whole)."""
     down_side, gate_side = [], []
     for first, count in _groups(num_params, views, E):
         sides = {role in _DOWN_SIDE for role, v in zip(ROLES, views) if v is not None and v.first == first}
@@ -551,25 +558,64 @@ def _side_groups(num_params: int, views: Sequence[RoleView | None],
     return down_side, gate_side
 
 
+def _split_path(x: Tensor) -> str | None:
+    """Which implementation the split backward runs on for ``x``: "triton", "cpu" (the plain-PyTorch walk of the
+    experts), or None (the plain-PyTorch row tiles on another device: one operator)."""
+    if _use_triton(x):
+        return "triton"
+    return "cpu" if x.device.type == "cpu" else None
+
+
 def _split_halves(x, params, layout, checkpoint, chunk_tokens, T, K, plan_len):
-    """The groups of each half where the split backward applies: the forward took the Triton path (it saved a
-    plan), "activations", one slot window (static T), and no gradient group holding roles of both halves."""
-    if plan_len == 0 or checkpoint != "activations" or not isinstance(T, int) or not _use_triton(x):
+    """The (down side's, gate side's) groups where the split backward applies: "activations", static T, one slot
+    window (the Triton path, which saved a plan) or one chunk of tokens (the CPU path), and no gradient group
+    holding roles of both sides."""
+    if checkpoint != "activations" or not isinstance(T, int):
         return None
-    if _triton_kernels()[1].num_slot_windows(T * K, chunk_tokens * K) != 1:
+    path = _split_path(x)
+    if path == "triton" and (plan_len == 0 or _triton_kernels()[1].num_slot_windows(T * K, chunk_tokens * K) != 1):
+        return None
+    if path is None or (path == "cpu" and len(_chunks(T, chunk_tokens)) != 1):
         return None
     E, views = decode_layout(layout)
     return _side_groups(len(params), views, E)
 
 
-def _split_call(name, x, params, layout, kernel_options):
-    """(E, views, options, the two halves' groups) of a split-backward call, checked."""
+def _split_call(name, x, params, layout, plan, kernel_options):
+    """(E, views, options, the two sides' groups, the path) of a split-backward call, checked."""
     E, views = decode_layout(layout)
     halves = _side_groups(len(params), views, E)
-    if halves is None or not _use_triton(x):
-        raise ValueError(f"moeblaze.{name}: the split backward runs on the Triton path, with no gradient group "
-                         "holding both the down projection's roles and the others; call moe_ffn_backward")
-    return E, views, decode_kernels(kernel_options), halves
+    path = _split_path(x)
+    if halves is None or path is None:
+        raise ValueError(f"moeblaze.{name}: the split backward runs on the Triton path or on the CPU, with no "
+                         "gradient group holding both the down projection's roles and the others; call "
+                         "moe_ffn_backward")
+    if path == "cpu" and len(plan):
+        raise ValueError(f"moeblaze.{name}: on the CPU the plan is built again from ids (the forward saved none); "
+                         f"pass plan=[], got {len(plan)} tensors")
+    return E, views, decode_kernels(kernel_options), halves, path
+
+
+def _torch_phase(phase, grad_y, x, ids, weights, params, views, E, act, preact, dpre, groups, opts):
+    """One phase of the split backward on the CPU path (one chunk): (the phase's two tensors of
+    ``reference.moe_ffn_backward_torch``, the gradients of ``groups``, written in place through views of their
+    buffers: no dense copy beside them). The plan is built again from ids: the dispatch is deterministic, so it is
+    the forward's, the slot order of ``preact`` and ``dpre``."""
+    plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
+    bufs = _grad_buffers(params, views, E, groups)
+    experts = dense_experts(params, views, E)
+    # the roles of these groups as [E, rows, cols] (biases [E, n]) views: a phase writes only its side's roles,
+    # and a side's roles are exactly those its groups hold
+    out = ExpertParams(*[None if v is None or v.first not in bufs else _role_view(bufs, v, E, role)
+                         for role, v in zip(ROLES, views)])
+    first, second, _ = reference.moe_ffn_backward_torch(grad_y, x, ids, weights, experts, preact, plan, act, False,
+                                                        phase=phase, dpre=dpre, out=out)
+    return first, second, list(bufs.values())
+
+
+def _role_view(bufs, v, E, role):
+    view = _grad_role(bufs, v, E)
+    return view[..., 0] if role.endswith("bias") else view
 
 
 @torch.library.custom_op("moeblaze::moe_ffn_backward_act", mutates_args=())
@@ -586,20 +632,36 @@ def _moe_ffn_backward_act(
     activation: str,
     kernel_options: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """The split backward's first half ("activations", one window): (dA|dB [T*K, width] in slot order, its rows of
-    unrouted pairs' slots left unwritten; dweights; the gradients of the down side's groups)."""
-    E, views, opts, (down_side, _) = _split_call("moe_ffn_backward_act", x, params, layout, kernel_options)
+    """The split backward's first operator ("activations", one window): (dA|dB [T*K, width] in slot order, its rows
+    of unrouted pairs' slots left unwritten on the Triton path, zero on the CPU; dweights; the gradients of the down
+    side's groups)."""
+    E, views, opts, (down_side, _), path = _split_call("moe_ffn_backward_act", x, params, layout, plan,
+                                                       kernel_options)
+    act = parse_activation(activation)
+    if path == "cpu":
+        return _torch_phase("act", grad_y.contiguous(), x, ids, weights, params, views, E, act, preact, None,
+                            down_side, opts)
     with _using(opts, x.dtype):
         bufs = _once(lambda: _grad_buffers(params, views, E, down_side))
         experts = _expert_weights(x, params, views, E)
-        return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, parse_activation(activation),
-                                preact, False, plan, bufs, 0, opts, "act")
+        return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, act, preact, False, plan,
+                                bufs, 0, opts, "act")
 
 
 @_moe_ffn_backward_act.register_fake
 def _moe_ffn_backward_act_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, kernel_options=""):
-    E, views, _, (down_side, _) = _split_call("moe_ffn_backward_act", x, params, layout, kernel_options)
+    E, views, _, (down_side, _), _ = _split_call("moe_ffn_backward_act", x, params, layout, plan, kernel_options)
     return preact.new_empty(preact.shape), torch.empty_like(weights), _fake_grads(params, down_side)
+
+
+def _check_dpre(name, dpre, x, ids, views, activation):
+    """The first operator's dA|dB, or an error naming what to pass."""
+    h = views[0].rows
+    width = (2 if parse_activation(activation).gated else 1) * h
+    want = (ids.shape[0] * ids.shape[1], width)
+    if tuple(dpre.shape) != want or dpre.dtype != x.dtype:
+        raise ValueError(f"moeblaze.{name}: dpre must be moe_ffn_backward_act's dA|dB [T*K, width] = {want} of "
+                         f"{x.dtype}; got {tuple(dpre.shape)} of {dpre.dtype}")
 
 
 @torch.library.custom_op("moeblaze::moe_ffn_backward_dx", mutates_args=())
@@ -614,22 +676,59 @@ def _moe_ffn_backward_dx(
     plan: list[Tensor],
     activation: str,
     kernel_options: str = "",
-) -> tuple[Tensor, list[Tensor]]:
-    """The split backward's second half: (dx, the gradients of the groups other than the down side's) from the
-    first half's dA|dB."""
-    E, views, opts, (_, gate_side) = _split_call("moe_ffn_backward_dx", x, params, layout, kernel_options)
+) -> Tensor:
+    """The split backward's second operator: dx from the first one's dA|dB (no parameter gradient)."""
+    E, views, opts, _, path = _split_call("moe_ffn_backward_dx", x, params, layout, plan, kernel_options)
+    _check_dpre("moe_ffn_backward_dx", dpre, x, ids, views, activation)
+    act = parse_activation(activation)
+    if path == "cpu":
+        return _torch_phase("dx", None, x, ids, weights, params, views, E, act, None, dpre, [], opts)[0]
     with _using(opts, x.dtype):
-        bufs = _once(lambda: _grad_buffers(params, views, E, gate_side))
         experts = _expert_weights(x, params, views, E)
-        dx, _, grads = _kernel_backward(None, x, ids, weights, experts, views, E, parse_activation(activation),
-                                        None, False, plan, bufs, 0, opts, "dx", dpre)
-        return dx, grads
+        return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, _once(dict), 0,
+                                opts, "dx", dpre)[0]
 
 
 @_moe_ffn_backward_dx.register_fake
 def _moe_ffn_backward_dx_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
-    E, views, _, (_, gate_side) = _split_call("moe_ffn_backward_dx", x, params, layout, kernel_options)
-    return torch.empty_like(x), _fake_grads(params, gate_side)
+    _, views, _, _, _ = _split_call("moe_ffn_backward_dx", x, params, layout, plan, kernel_options)
+    _check_dpre("moe_ffn_backward_dx", dpre, x, ids, views, activation)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeblaze::moe_ffn_backward_dw", mutates_args=())
+@_own_precision
+def _moe_ffn_backward_dw(
+    dpre: Tensor,
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    params: list[Tensor],
+    layout: list[int],
+    plan: list[Tensor],
+    activation: str,
+    kernel_options: str = "",
+) -> list[Tensor]:
+    """The split backward's third operator: the gradients of the groups other than the down side's (the gate|up
+    weights and their biases) from the first one's dA|dB, x and the plan."""
+    E, views, opts, (_, gate_side), path = _split_call("moe_ffn_backward_dw", x, params, layout, plan,
+                                                       kernel_options)
+    _check_dpre("moe_ffn_backward_dw", dpre, x, ids, views, activation)
+    act = parse_activation(activation)
+    if path == "cpu":
+        return _torch_phase("dw", None, x, ids, weights, params, views, E, act, None, dpre, gate_side, opts)[2]
+    with _using(opts, x.dtype):
+        bufs = _once(lambda: _grad_buffers(params, views, E, gate_side))
+        experts = _expert_weights(x, params, views, E)
+        return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
+                                "dw", dpre)[2]
+
+
+@_moe_ffn_backward_dw.register_fake
+def _moe_ffn_backward_dw_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
+    _, views, _, (_, gate_side), _ = _split_call("moe_ffn_backward_dw", x, params, layout, plan, kernel_options)
+    _check_dpre("moe_ffn_backward_dw", dpre, x, ids, views, activation)
+    return _fake_grads(params, gate_side)
 
 
 def _setup_context(ctx, inputs, output):
@@ -652,12 +751,15 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
         grad_y = x.new_zeros(x.shape)
     E, views = decode_layout(ctx.layout)
     halves = _split_halves(x, params, ctx.layout, ctx.checkpoint, ctx.chunk_tokens, *ids.shape, len(plan))
-    if halves is not None:  # two operators: A|B is freed before the gate|up gradient is allocated (see above)
+    if halves is not None:  # three operators: A|B freed before the gate|up gradient, which dx does not wait for
+        args = (params, ctx.layout)
         dpre, dweights, down_grads = torch.ops.moeblaze.moe_ffn_backward_act(
-            grad_y, x, ids, weights, params, ctx.layout, preact, plan, ctx.activation, ctx.kernel_options)
+            grad_y, x, ids, weights, *args, preact, plan, ctx.activation, ctx.kernel_options)
         del preact
-        dx, gate_grads = torch.ops.moeblaze.moe_ffn_backward_dx(dpre, x, ids, weights, params, ctx.layout, plan,
-                                                                ctx.activation, ctx.kernel_options)
+        dx = torch.ops.moeblaze.moe_ffn_backward_dx(dpre, x, ids, weights, *args, plan, ctx.activation,
+                                                    ctx.kernel_options)
+        gate_grads = torch.ops.moeblaze.moe_ffn_backward_dw(dpre, x, ids, weights, *args, plan, ctx.activation,
+                                                            ctx.kernel_options)
         by_first = dict(zip([f for f, _ in halves[0]], down_grads)) | dict(zip([f for f, _ in halves[1]], gate_grads))
         grads = [by_first[first] for first, _ in _groups(len(params), views, E)]
     else:

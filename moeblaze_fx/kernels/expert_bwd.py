@@ -745,13 +745,13 @@ def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor, roles=("g
 
 
 # The roles whose weight gradients each phase of expert_backward writes
-PHASE_ROLES = {"all": ("gate", "up", "down"), "act": ("down",), "dx": ("gate", "up")}
+PHASE_ROLES = {"all": ("gate", "up", "down"), "act": ("down",), "dx": (), "dw": ("gate", "up")}
 
 
 def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables, preact: Tensor,
                     plan: DispatchPlan, activation: "Activation | str",
                     gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                    *, grads: ExpertTables, recompute: bool, accumulate: bool = False, window_slots: int = 0,
+                    *, grads: ExpertTables | None, recompute: bool, accumulate: bool = False, window_slots: int = 0,
                     phase: str = "all", dpre: Tensor | None = None,
                     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, d_gate_bias, d_up_bias, d_down_bias).
@@ -770,22 +770,24 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     gets its weight gradient added to in place (one rounding to the gradient's dtype per window it spans),
     and dx accumulates across windows in x's dtype (one rounding per window a token's slots fall in).
 
-    ``phase`` cuts the work of one window (``window_slots`` 0, or not below T*K) into two calls, so that what
-    the first reads can be freed before the second allocates (the operator's split backward, ``ops.py``):
-    ``"act"`` runs dh with its activation epilogue, dW_down and the down bias and returns (dA|dB [T*K, width],
-    dweights, None, None, d_down_bias); ``"dx"`` takes that dA|dB as ``dpre`` and runs dX and its combine,
-    dW_gate|up and the gate/up biases, returning (dx, None, d_gate_bias, d_up_bias, None). Each writes only its
-    roles' gradient tables (:data:`PHASE_ROLES`); together they compute bitwise what ``"all"`` does."""
+    ``phase`` cuts the work of one window (``window_slots`` 0, or not below T*K) into three calls, so that what
+    the first reads can be freed before the others allocate, and the gate|up gradients need not exist before dx
+    (the operator's split backward, ``ops.py``): ``"act"`` runs dh with its activation epilogue, dW_down and the
+    down bias and returns (dA|dB [T*K, width], dweights, None, None, d_down_bias); ``"dx"`` takes that dA|dB as
+    ``dpre`` and runs dX and its combine, returning (dx, None, None, None, None) (``grads`` is not used: it may be
+    None); ``"dw"`` takes the same ``dpre`` and runs dW_gate|up and the gate/up biases, returning (None, None,
+    d_gate_bias, d_up_bias, None). Each writes only its roles' gradient tables (:data:`PHASE_ROLES`); together
+    they compute bitwise what ``"all"`` does."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     if phase not in PHASE_ROLES:
         raise ValueError(f"phase must be one of {tuple(PHASE_ROLES)}, got {phase!r}")
     make_grads = grads if callable(grads) else None  # made just before the first weight-gradient kernel
-    if make_grads is None:
+    if make_grads is None and PHASE_ROLES[phase]:
         check_grad_tables(grads, w, x, PHASE_ROLES[phase])
-    act_phase, dx_phase = phase != "dx", phase != "act"
+    act_phase, dx_phase, dw_phase = phase in ("all", "act"), phase in ("all", "dx"), phase in ("all", "dw")
     N = T * K
     width = 2 * h if act.gated else h
-    if act_phase:  # (the "dx" phase never reads grad_y: it may be None)
+    if act_phase:  # (the "dx" and "dw" phases never read grad_y: it may be None)
         if tuple(grad_y.shape) != (T, d):
             raise ValueError(f"grad_y must be [T, d] = {(T, d)}, got shape {tuple(grad_y.shape)}")
         if grad_y.device != x.device:
@@ -796,9 +798,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     if act_phase and not recompute and (tuple(preact.shape) != (N, width) or preact.dtype != x.dtype):
         raise ValueError(f"preact must be [T*K, {'2h' if act.gated else 'h'}] = {(N, width)} of {x.dtype} "
                          f"(recompute=False), got {tuple(preact.shape)} of {preact.dtype}")
-    if phase == "dx" and (dpre is None or tuple(dpre.shape) != (N, width) or dpre.dtype != x.dtype):
-        raise ValueError(f"phase 'dx' takes the 'act' phase's dA|dB [T*K, width] = {(N, width)} of {x.dtype} as "
-                         f"dpre, got {None if dpre is None else (tuple(dpre.shape), dpre.dtype)}")
+    if not act_phase and (dpre is None or tuple(dpre.shape) != (N, width) or dpre.dtype != x.dtype):
+        raise ValueError(f"phase {phase!r} takes the 'act' phase's dA|dB [T*K, width] = {(N, width)} of {x.dtype} "
+                         f"as dpre, got {None if dpre is None else (tuple(dpre.shape), dpre.dtype)}")
 
     busy = N > 0 and h > 0 and d > 0  # some GEMM has work
     dx = (x.new_empty((T, d)) if busy else x.new_zeros((T, d))) if dx_phase else None
@@ -815,9 +817,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     if down_bias is not None and act_phase:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> in part
         d_down_bias = _bias_grad(grad_y, True, weights, plan, K, E, dot_bias=down_bias, part=part)
     skip = accumulate and N == 0  # nothing to add
-    d_gate_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if gate_bias is not None and dx_phase \
+    d_gate_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if gate_bias is not None and dw_phase \
         else None
-    d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None and dx_phase \
+    d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None and dw_phase \
         else None
 
     windows = slot_windows(plan, window_slots)
@@ -843,8 +845,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             if make_grads is not None:
                 grads = make_grads()
                 check_grad_tables(grads, w, x, PHASE_ROLES[phase])
-            made = (grads, _gate_up_table(grads.gate, grads.up) if dx_phase else None,
-                    _interleaved_grad_table(grads.gate, grads.up) if dx_phase else None)
+            made = (grads, _gate_up_table(grads.gate, grads.up) if dw_phase else None,
+                    _interleaved_grad_table(grads.gate, grads.up) if dw_phase else None)
         return made
 
     made = None
@@ -917,13 +919,13 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             if not skip:
                 _weight_grad(grad_y, hw, grad_tables()[0].down, plan, K, accumulate, dw_window)  # [E, d, h]
             del hw
-        if not dx_phase:
-            break
-        if busy:  # dX, combined into dx at once: its slots are freed before dW_gate|up
+        if busy and dx_phase:  # dX, combined into dx at once: its slots are freed before dW_gate|up
             dx_slots = x.new_empty((n, d))
             down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
             combine(dx_slots, None, plan, T, K, dx, (s0, s1), accumulate=i > 0)
             del dx_slots
+        if not dw_phase:  # "act" or "dx": one window
+            break
         if not skip:
             grads, grads_gate_up, grads_interleaved = grad_tables()
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
@@ -944,7 +946,9 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             d_up_bias += _bias_grad(dpre[:, h:], False, None, plan, K, E, window=(s0, s1))
         del dpre
     if phase == "dx":
-        return dx, None, d_gate_bias, d_up_bias, None
+        return dx, None, None, None, None
+    if phase == "dw":
+        return None, None, d_gate_bias, d_up_bias, None
     dweights = part[:bias_rows + num_chunks].sum(0)[plan.slot_of].view(T, K).to(weights.dtype)  # (-1: column N)
     if phase == "act":
         return dpre, dweights, None, None, d_down_bias

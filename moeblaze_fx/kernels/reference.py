@@ -495,62 +495,122 @@ def moe_ffn_backward_torch(
     plan: DispatchPlan,
     activation: "str | Activation",
     recompute: bool,
-) -> tuple[Tensor, Tensor, ExpertParams]:
+    *,
+    phase: str = "all",
+    dpre: Tensor | None = None,
+    out: ExpertParams | None = None,
+) -> tuple[Tensor | None, Tensor | None, ExpertParams | None]:
     """Returns (dx, dweights, grads) with ``grads`` an :class:`ExpertParams` of the gradients of
     ``experts`` (None where ``experts`` has None). ``recompute``: the memory policy; True computes the
     pre-activations again (``preact`` is then the forward's empty tensor), False reads them from ``preact``.
 
     The routing-weight gradient is ``<dH', H> + <dy, b_down>`` per slot (dH' the gradient H gets with
-    weight 1), so the expert outputs are never needed."""
+    weight 1), so the expert outputs are never needed.
+
+    ``phase`` (CPU only) cuts the work into the three calls of the operator's split backward, as
+    ``expert_bwd.expert_backward`` does: ``"act"`` returns (dA|dB [T*K, width] x.dtype in the plan's slot order,
+    rows of unrouted slots zero; dweights; grads with only the down projection's roles); ``"dx"`` takes that dA|dB
+    as ``dpre`` and returns (dx, None, None); ``"dw"`` takes it too and returns (None, None, grads with only the
+    gate and up roles and their biases). Together they compute bitwise what ``"all"`` does (dA|dB holds each
+    expert's dgate|dup in x's dtype, the dtype ``"all"`` computes them in).
+
+    ``out`` (CPU only): tensors of the gradients' shapes and dtypes, any strides (views of the caller's gradient
+    buffers), that the roles this call writes are written into (zeroed first, for the experts with no slots)
+    instead of new zero-filled ones, so that the caller needs no second copy; ``grads`` then holds them."""
     act = parse_activation(activation)
-    if recompute != (preact.dim() == 1):  # the forward's [0] under "recompute", [T*K, width] otherwise
+    if phase not in ("all", "act", "dx", "dw"):
+        raise ValueError(f"phase must be one of ('all', 'act', 'dx', 'dw'), got {phase!r}")
+    if phase in ("dx", "dw"):
+        if dpre is None:
+            raise ValueError(f"phase {phase!r} takes the 'act' phase's dA|dB as dpre")
+    elif recompute != (preact.dim() == 1):  # the forward's [0] under "recompute", [T*K, width] otherwise
         raise ValueError(f"recompute={recompute} does not match preact of shape {tuple(preact.shape)}")
-    run = _backward_by_expert if x.device.type == "cpu" else _backward_by_tile
-    return run(grad_y, x, ids.shape[1], weights, experts, preact, plan, act, recompute)
+    if x.device.type == "cpu":
+        return _backward_by_expert(grad_y, x, ids.shape[1], weights, experts, preact, plan, act, recompute, phase,
+                                   dpre, out)
+    if phase != "all" or out is not None:
+        raise ValueError(f"phase {phase!r} and out run on the CPU (the walk of the experts), got x on {x.device}; "
+                         "use phase='all' without out")
+    return _backward_by_tile(grad_y, x, ids.shape[1], weights, experts, preact, plan, act, recompute)
 
 
-def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recompute):
+def _backward_by_expert(grad_y, x, K, weights, experts, preact, plan, act, recompute, phase="all", dpre=None,
+                        out=None):
     T, d = x.shape
     p = experts
     h = p.gate.shape[1]
+    width = 2 * h if p.up is not None else h
+    act_phase, dx_phase, dw_phase = phase in ("all", "act"), phase in ("all", "dx"), phase in ("all", "dw")
     tok_of_slot = plan.token_index.to(torch.int64) // K
-    w_flat = weights.reshape(-1)
+    w_flat = weights.reshape(-1) if act_phase else None
     acc = torch.promote_types(x.dtype, torch.float32)
-    dx = torch.zeros(T, d, dtype=acc, device=x.device)
-    dweights = torch.zeros(T * K, dtype=acc, device=x.device)
-    grads = ExpertParams(*[None if t is None else torch.zeros_like(t) for t in p])
-    for e, lo, hi in _expert_ranges(plan):
-        pairs = plan.token_index[lo:hi].to(torch.int64)
+    dx = torch.zeros(T, d, dtype=acc, device=x.device) if dx_phase else None
+    dweights = torch.zeros(T * K, dtype=acc, device=x.device) if act_phase else None
+    roles = {"all": ExpertParams._fields, "act": ("down", "down_bias"), "dx": (),
+             "dw": ("gate", "up", "gate_bias", "up_bias")}[phase]
+    if out is None:
+        out = ExpertParams(*[None if t is None or role not in roles else torch.zeros_like(t)
+                             for role, t in zip(ExpertParams._fields, p)])
+    elif any((o is None) != (t is None) or o is not None and (o.shape, o.dtype) != (t.shape, t.dtype)
+             for role, o, t in zip(ExpertParams._fields, out, p) if role in roles):
+        raise ValueError(f"out must hold a tensor of each present parameter's shape and dtype for the roles {roles} "
+                         f"of phase {phase!r}: {[None if t is None else (tuple(t.shape), t.dtype) for t in p]}, got "
+                         f"{[None if o is None else (tuple(o.shape), o.dtype) for o in out]}")
+    else:
+        out = ExpertParams(*[o.zero_() if o is not None and role in roles else None
+                             for role, o in zip(ExpertParams._fields, out)])
+    grads = ExpertParams(*[o if role in roles else None for role, o in zip(ExpertParams._fields, out)])
+    ranges = _expert_ranges(plan)
+    if phase == "act":  # dA|dB of every routed slot; the unrouted ones (from offsets[E] on) zero
+        dpre = x.new_empty((T * K, width))
+        dpre[int(plan.offsets[-1]):].zero_()
+    for e, lo, hi in ranges:
         tok = tok_of_slot[lo:hi]
-        xe = x[tok]
-        if recompute:
-            gate = _project(xe, p.gate[e], _bias(p.gate_bias, e))
-            up = None if p.up is None else _project(xe, p.up[e], _bias(p.up_bias, e))
-        else:
-            gate, up = preact[lo:hi, :h], None if p.up is None else preact[lo:hi, h:]
-        hid = activation_forward(act, gate, up)
-        dout = grad_y[tok]
-        d_hid_unscaled = dout @ p.down[e]  # dH' [n, h]
-        dw = (d_hid_unscaled.to(acc) * hid.to(acc)).sum(1)
-        if p.down_bias is not None:
-            dw = dw + (dout.to(acc) * p.down_bias[e].to(acc)).sum(1)
-        dweights[pairs] = dw
-        scaled = dout * w_flat[pairs].to(dout.dtype)[:, None]
-        grads.down[e] = scaled.t() @ hid
-        if grads.down_bias is not None:
-            grads.down_bias[e] = scaled.to(acc).sum(0).to(p.down_bias.dtype)
-        d_gate, d_up = activation_backward(act, gate, up, d_hid_unscaled * w_flat[pairs].to(dout.dtype)[:, None])
-        grads.gate[e] = d_gate.t() @ xe
-        dxe = d_gate @ p.gate[e]
-        if grads.gate_bias is not None:
-            grads.gate_bias[e] = d_gate.to(acc).sum(0).to(p.gate_bias.dtype)
-        if d_up is not None:
-            grads.up[e] = d_up.t() @ xe
-            dxe = dxe + d_up @ p.up[e]
-            if grads.up_bias is not None:
-                grads.up_bias[e] = d_up.to(acc).sum(0).to(p.up_bias.dtype)
-        dx.index_add_(0, tok, dxe.to(acc))
-    return dx.to(x.dtype), dweights.view(T, K).to(weights.dtype), grads
+        xe = x[tok] if dw_phase or recompute else None
+        if act_phase:
+            pairs = plan.token_index[lo:hi].to(torch.int64)
+            if recompute:
+                gate = _project(xe, p.gate[e], _bias(p.gate_bias, e))
+                up = None if p.up is None else _project(xe, p.up[e], _bias(p.up_bias, e))
+            else:
+                gate, up = preact[lo:hi, :h], None if p.up is None else preact[lo:hi, h:]
+            hid = activation_forward(act, gate, up)
+            dout = grad_y[tok]
+            d_hid_unscaled = dout @ p.down[e]  # dH' [n, h]
+            dw = (d_hid_unscaled.to(acc) * hid.to(acc)).sum(1)
+            if p.down_bias is not None:
+                dw = dw + (dout.to(acc) * p.down_bias[e].to(acc)).sum(1)
+            dweights[pairs] = dw
+            scaled = dout * w_flat[pairs].to(dout.dtype)[:, None]
+            grads.down[e] = scaled.t() @ hid
+            if grads.down_bias is not None:
+                grads.down_bias[e] = scaled.to(acc).sum(0).to(p.down_bias.dtype)
+            d_gate, d_up = activation_backward(act, gate, up, d_hid_unscaled * w_flat[pairs].to(dout.dtype)[:, None])
+            if phase == "act":
+                dpre[lo:hi, :h] = d_gate
+                if d_up is not None:
+                    dpre[lo:hi, h:] = d_up
+                continue
+        else:  # the same tensors "all" computes, read back contiguous (the products see the same operands)
+            d_gate = dpre[lo:hi, :h].contiguous()
+            d_up = None if p.up is None else dpre[lo:hi, h:].contiguous()
+        if dw_phase:
+            grads.gate[e] = d_gate.t() @ xe
+            if grads.gate_bias is not None:
+                grads.gate_bias[e] = d_gate.to(acc).sum(0).to(p.gate_bias.dtype)
+            if d_up is not None:
+                grads.up[e] = d_up.t() @ xe
+                if grads.up_bias is not None:
+                    grads.up_bias[e] = d_up.to(acc).sum(0).to(p.up_bias.dtype)
+        if dx_phase:
+            dxe = d_gate @ p.gate[e]
+            if d_up is not None:
+                dxe = dxe + d_up @ p.up[e]
+            dx.index_add_(0, tok, dxe.to(acc))
+    if phase == "act":
+        return dpre, dweights.view(T, K).to(weights.dtype), grads
+    return (None if dx is None else dx.to(x.dtype), None if dweights is None else dweights.view(T, K).to(weights.dtype),
+            None if phase == "dx" else grads)
 
 
 def _backward_by_tile(grad_y, x, K, weights, experts, preact, plan, act, recompute, block=TILE_ROWS,

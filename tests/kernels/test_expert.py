@@ -333,6 +333,57 @@ def test_gate_and_up_gradients_in_one_dw_launch_where_adjacent(monkeypatch, layo
     assert set(calls) == ({(40, 24), (40, 48)} if layout == "hf_fused" else {(40, 24)})
 
 
+# (layout, activation): the gate|up gradient as one launch (Hugging Face's fused), interleaved (gpt-oss's clamped
+# SwiGLU), separate tensors with a plain activation (no up role)
+PHASE_CASES = [("hf_fused", "swiglu"), ("interleaved", "swiglu_oai(alpha=1.702,limit=0.6)"), ("dense", "gelu")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout,act", PHASE_CASES, ids=[c[0] for c in PHASE_CASES])
+def test_act_dx_dw_phases_together_equal_all(layout, act, dtype):
+    """The split backward's three phases ("act": dA|dB, dweights, dW_down, the down bias; "dx": dx alone; "dw": the
+    gate|up gradients and their biases, from the same dA|dB) compute bitwise what "all" does, each writing only its
+    roles' gradient storage (:data:`expert_bwd.PHASE_ROLES`; the rest stays NaN). Biases on every role; unrouted
+    pairs; fp16 too (the interpreter's bf16 dot is not exact)."""
+    case = make_case(23, 32, 16, 4, 2, act=act, bias=True, layout=layout, ids_mode="sentinel", seed=7, dtype=dtype)
+    a, E = parse_activation(act), case["E"]
+    w = tables(role_views(layout, case["storage"], a.gated, E))
+    plan = dispatch_reference(case["ids"], E, block_m=plan_block_m())
+    _, preact = expert_forward(case["x"], case["weights"], w, plan, a, True, *case["biases"])
+    x, weights, biases = case["x"], case["weights"], case["biases"]
+
+    def storage():
+        st = grad_storage_like(case)
+        return st, tables(role_views(layout, st, a.gated, E))
+
+    whole_st, whole_t = storage()
+    whole = expert_backward(case["grad_y"], x, weights, w, preact, plan, a, *biases, grads=whole_t, recompute=False)
+    act_st, act_t = storage()
+    dpre, dweights, no_gate_bias, no_up_bias, d_down_bias = expert_backward(
+        case["grad_y"], x, weights, w, preact, plan, a, *biases, grads=act_t, recompute=False, phase="act")
+    dx_out = expert_backward(None, x, weights, w, preact, plan, a, *biases, grads=None, recompute=False, phase="dx",
+                             dpre=dpre)
+    dw_st, dw_t = storage()
+    dw_out = expert_backward(None, x, weights, w, preact, plan, a, *biases, grads=dw_t, recompute=False, phase="dw",
+                             dpre=dpre)
+    assert expert_bwd.PHASE_ROLES == {"all": ("gate", "up", "down"), "act": ("down",), "dx": (),
+                                      "dw": ("gate", "up")}
+    assert (no_gate_bias, no_up_bias) == (None, None) and dx_out[1:] == (None, None, None, None)
+    assert dw_out[0] is None and dw_out[1] is None and dw_out[4] is None
+    for got, want in [(dx_out[0], whole[0]), (dweights, whole[1]), (dw_out[2], whole[2]), (d_down_bias, whole[4]),
+                      (act_st[-1], whole_st[-1])] + list(zip(dw_st[:-1], whole_st[:-1])):
+        assert torch.equal(got, want)
+    if a.gated:
+        assert torch.equal(dw_out[3], whole[3])
+    else:
+        assert dw_out[3] is None and whole[3] is None
+    # the storage is [gate side..., down]: each phase leaves the other's untouched
+    assert all(t.isnan().all() for t in act_st[:-1]) and dw_st[-1].isnan().all()
+    with pytest.raises(ValueError, match=r"phase 'dw' takes the 'act' phase's dA\|dB"):
+        expert_backward(None, x, weights, w, preact, plan, a, *biases, grads=dw_t, recompute=False, phase="dw",
+                        dpre=dpre[:, :8])
+
+
 def test_gate_up_table_needs_up_h_rows_after_gate():
     w = torch.zeros(4, 2 * 8, 16)  # [E, 2h, d]
     gate, up = table_of(w[:, :8]), table_of(w[:, 8:])

@@ -211,39 +211,70 @@ def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(t
         assert torch.equal(a, b)
 
 
-def test_triton_path_split_backward_equals_the_one_operator_backward(triton_path):
-    """The split backward (dA|dB, dweights and the down gradient; then dx and the gate|up gradient) computes bitwise
-    what the one-operator backward does; its fakes match; a layout whose one parameter holds down and gate is
-    refused with the fix named."""
+def _split_equals_whole(x, ids, w, params, layout, plan_len, activation="swiglu"):
+    """Runs the forward (which saves a plan of ``plan_len`` tensors), then the whole backward and the three split
+    operators on the same inputs; asserts they agree bitwise. Returns (dA|dB, the upstream gradient, A|B, plan)."""
+    from moeblaze_fx import ops
+
+    y, preact, plan_out = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, activation, "activations", 0)
+    assert len(plan_out) == plan_len
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)
+    whole = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, plan_out, activation,
+                                                "activations", 0)
+    dpre, dweights, down = torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, params, layout, preact, plan_out,
+                                                                   activation)
+    dx = torch.ops.moeblaze.moe_ffn_backward_dx(dpre, x, ids, w, params, layout, plan_out, activation)
+    gate_up = torch.ops.moeblaze.moe_ffn_backward_dw(dpre, x, ids, w, params, layout, plan_out, activation)
+    E, views = moeblaze_fx.layout.decode_layout(layout)
+    down_side, gate_side = ops._side_groups(len(params), views, E)
+    assert dpre.shape == preact.shape and isinstance(dx, torch.Tensor)
+    assert (len(down), len(gate_up)) == (len(down_side), len(gate_side)) and down and gate_up
+    by_first = dict(zip([f for f, _ in down_side + gate_side], down + gate_up))
+    split = [by_first[first] for first, _ in ops._groups(len(params), views, E)]
+    assert len(split) == len(whole[2])
+    for a, b in zip((whole[0], whole[1], *whole[2]), (dx, dweights, *split)):
+        assert torch.equal(a, b)
+    return dpre, g, preact, plan_out
+
+
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_split_backward_equals_the_one_operator_backward(path, request):
+    """The split backward (dA|dB, dweights and the down gradient; then dx; then the gate|up gradient) computes
+    bitwise what the one-operator backward does, on the Triton path (interpreted) and on the CPU path's walk of the
+    experts; its fakes match; a wrong dA|dB, a plan on the CPU path and a layout whose one parameter holds down and
+    gate are refused with the fix named."""
     from moeblaze_fx.kernels import expert_bwd
 
+    if path == "triton":
+        request.getfixturevalue("triton_path")
     x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32, route=_with_sentinels)
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
-    y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
-    g = torch.randn_like(y)
-    whole = torch.ops.moeblaze.moe_ffn_backward(g, x, ids, w, params, layout, preact, plan, "swiglu", "activations", 0)
-    dpre, dweights, down = torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, params, layout, preact, plan, "swiglu")
-    dx, gate_up = torch.ops.moeblaze.moe_ffn_backward_dx(dpre, x, ids, w, params, layout, plan, "swiglu")
-    assert dpre.shape == preact.shape and len(down) == len(gate_up) == 1
-    for a, b in zip((whole[0], whole[1], *whole[2]), (dx, dweights, *gate_up, *down)):
-        assert torch.equal(a, b)
+    dpre, g, preact, plan = _split_equals_whole(x, ids, w, params, layout, 5 if path == "triton" else 0)
+    if path == "cpu":  # unrouted slots (from offsets[E] on) are zero there
+        routed = int((ids < 4).sum())
+        assert torch.equal(dpre[routed:], torch.zeros_like(dpre[routed:])) and routed < dpre.shape[0]
     # opcheck compares whole outputs: every pair routed (dA|dB's rows of unrouted slots are left unwritten)
     x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32)
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     y, preact, plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)
     dpre = torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, params, layout, preact, plan, "swiglu")[0]
-    xd, wdet, pd = x.detach(), w.detach(), [p.detach() for p in params]  # (the halves have no backward)
+    xd, wdet, pd = x.detach(), w.detach(), [p.detach() for p in params]  # (the split operators have no backward)
     torch.library.opcheck(torch.ops.moeblaze.moe_ffn_backward_act.default,
-                          (g, xd, ids, wdet, pd, layout, preact, plan, "swiglu"))
-    torch.library.opcheck(torch.ops.moeblaze.moe_ffn_backward_dx.default,
-                          (dpre.detach(), xd, ids, wdet, pd, layout, plan, "swiglu"))
-    with pytest.raises(ValueError, match=r"dpre"):
-        torch.ops.moeblaze.moe_ffn_backward_dx(dpre[:, :24], x, ids, w, params, layout, plan, "swiglu")
-    with pytest.raises(ValueError, match=r"phase 'act' runs one window"):
-        tables, plan_t = _tables_and_plan(params, layout, plan)
-        expert_bwd.expert_backward(g, x, w, tables, preact, plan_t, "swiglu", grads=tables, recompute=False,
-                                   window_slots=16, phase="act")
-    # gate, up and down in one parameter: its gradient is one buffer, which neither half could return whole
+                          (g, xd, ids, wdet, pd, layout, preact.detach(), plan, "swiglu"))
+    for op in (torch.ops.moeblaze.moe_ffn_backward_dx, torch.ops.moeblaze.moe_ffn_backward_dw):
+        torch.library.opcheck(op.default, (dpre.detach(), xd, ids, wdet, pd, layout, plan, "swiglu"))
+        with pytest.raises(ValueError, match=r"dpre must be moe_ffn_backward_act's dA\|dB"):
+            op(dpre[:, :24], x, ids, w, params, layout, plan, "swiglu")
+    if path == "cpu":
+        fake_plan = [torch.zeros(3, dtype=torch.int32)]
+        with pytest.raises(ValueError, match=r"pass plan=\[\]"):
+            torch.ops.moeblaze.moe_ffn_backward_dw(dpre, x, ids, w, params, layout, fake_plan, "swiglu")
+    else:
+        with pytest.raises(ValueError, match=r"phase 'act' runs one window"):
+            tables, plan_t = _tables_and_plan(params, layout, plan)
+            expert_bwd.expert_backward(g, x, w, tables, preact, plan_t, "swiglu", grads=tables, recompute=False,
+                                       window_slots=16, phase="act")
+    # gate, up and down in one parameter: its gradient is one buffer, which neither side's operator could return
     E, h, d = 4, 24, 16
     one = torch.cat([wgu.detach().reshape(-1), wd.detach().reshape(-1)])
     views = [RoleView(0, 1, 0, 2 * h * d, d, 1, h, d), RoleView(0, 1, h * d, 2 * h * d, d, 1, h, d),
@@ -251,12 +282,32 @@ def test_triton_path_split_backward_equals_the_one_operator_backward(triton_path
     mixed = encode_layout(E, views)
     with pytest.raises(ValueError, match=r"call moe_ffn_backward"):
         torch.ops.moeblaze.moe_ffn_backward_act(g, x, ids, w, [one], mixed, preact, plan, "swiglu")
+    with pytest.raises(ValueError, match=r"call moe_ffn_backward"):
+        torch.ops.moeblaze.moe_ffn_backward_dw(dpre, x, ids, w, [one], mixed, plan, "swiglu")
     wone = one.clone().requires_grad_()
     y1 = torch.ops.moeblaze.moe_ffn(x, ids, w, [wone], mixed, "swiglu", "activations", 0)[0]
     got = torch.autograd.grad(y1, (x, wone), g)  # the autograd formula keeps the one-operator backward there
     want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, wgu, wd), g)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], torch.cat([want[1].reshape(-1), want[2].reshape(-1)]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "relu2"])
+def test_cpu_split_backward_with_biases_equals_the_one_operator_backward(activation):
+    """Biases on every role, a gated and a plain activation, bf16 (dA|dB holds dgate|dup in the dtype the whole
+    backward computes them in): the three operators are bitwise the one."""
+    E, d, h, T, K = 4, 16, 12, 30, 2
+    gen = torch.Generator().manual_seed(5)
+    gated = activation == "geglu"
+    experts = ExpertParams(*[None if t is None else t.to(torch.bfloat16) for t in (
+        torch.randn(E, h, d, generator=gen) / 4, torch.randn(E, h, d, generator=gen) / 4 if gated else None,
+        torch.randn(E, d, h, generator=gen) / 4, torch.randn(E, h, generator=gen),
+        torch.randn(E, h, generator=gen) if gated else None, torch.randn(E, d, generator=gen))])
+    params, layout = moeblaze_fx.layout.layout_of(experts)
+    x = torch.randn(T, d, generator=gen).to(torch.bfloat16)
+    ids = _with_sentinels(T, E, K, gen)
+    w = torch.rand(T, K, generator=gen).to(torch.bfloat16)
+    _split_equals_whole(x, ids, w, params, layout, 0, activation)
 
 
 def _tables_and_plan(params, layout, plan):
@@ -267,14 +318,19 @@ def _tables_and_plan(params, layout, plan):
     return ops._tables(params, views, E), DispatchPlan(*plan)
 
 
-def test_split_backward_frees_the_saved_activations_before_the_gate_up_gradient(triton_path):
-    """In the compiled backward graph the saved A|B's last use is the first half: the second (which allocates the
-    gate|up gradient) does not take it, so the graph frees it before. One window (chunk 0) takes the split; several
-    windows keep the one-operator backward, whose windows bound the transients."""
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_split_backward_frees_the_saved_activations_before_the_gate_up_gradient(path, request):
+    """In the compiled backward graph the saved A|B's last use is the first operator: the others (the third
+    allocates the gate|up gradient) do not take it, so the graph frees it before; dx and the gate|up gradients come
+    from separate operators. One window (chunk 0; one chunk of tokens on the CPU path) takes the split; several
+    windows (chunks) keep the one-operator backward, whose windows bound the transients."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
+    if path == "triton":
+        request.getfixturevalue("triton_path")
     x, ids, w, wgu, wd = _inputs(40, 16, 24, 4, 2, dtype=torch.float32)
-    for chunk, want in ((0, ["moe_ffn_backward_act", "moe_ffn_backward_dx"]), (6, ["moe_ffn_backward"])):
+    split = ["moe_ffn_backward_act", "moe_ffn_backward_dx", "moe_ffn_backward_dw"]
+    for chunk, want in ((0, split), (6, ["moe_ffn_backward"])):
         graphs = []
 
         def backend(gm, example_inputs):
@@ -326,7 +382,7 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
     g = torch.randn_like(y)
     with moeblaze_fx.patch(kernels={"kernel_config": "block_m=64"}):  # not what the call carries
         got = torch.autograd.grad(y, (x, w, wgu, wd), g)
-    assert seen == [pinned, pinned] and len(triton_path) == 1  # the split backward's two halves
+    assert seen == [pinned] * 3 and len(triton_path) == 1  # the split backward's three operators
     want = torch.autograd.grad(_ref(x, ids, w, wgu, wd), (x, w, wgu, wd), g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -338,7 +394,7 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
         y = moe_ffn(x, ids, w, (wgu, wd))
     assert triton_path[-1][2] == 32
     torch.autograd.grad(y, (x, w, wgu, wd), g)
-    assert seen == [pinned, pinned]
+    assert seen == [pinned] * 3
 
 
 @pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 128), (torch.float32, 64)])
