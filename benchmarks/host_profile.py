@@ -110,7 +110,8 @@ def install_timers(stats: dict):
         pass
     for op, name in ((ops._moe_ffn, "op moe_ffn impl"), (ops._moe_ffn_backward, "op moe_ffn_backward impl"),
                      (ops._moe_ffn_backward_act, "op moe_ffn_backward_act impl"),
-                     (ops._moe_ffn_backward_dx, "op moe_ffn_backward_dx impl")):
+                     (ops._moe_ffn_backward_dx, "op moe_ffn_backward_dx impl"),
+                     (ops._moe_ffn_backward_dw, "op moe_ffn_backward_dw impl")):
         fns = op._backend_fns
         key = next(iter(fns))
         orig = fns[key]

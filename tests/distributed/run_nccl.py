@@ -108,9 +108,10 @@ def run(args, size: Size, device: torch.device, rank: int, world: int) -> bool:
         compiled = case.compile != "none"
         want_counters = {"rewritten": 1} if compiled else {}
         forwards = size.layers * (2 if case.checkpoint else 1)  # checkpointing runs each block again in backward
-        # the kernels (CUDA, 16-bit and float32) run the split backward: two operators a block (ops.py)
-        split = device.type == "cuda" and (case.mixed or case.dtype) != "float64"
-        backward = ({"moeblaze::moe_ffn_backward_act": size.layers, "moeblaze::moe_ffn_backward_dx": size.layers}
+        # the kernels (CUDA, 16-bit and float32) and the CPU path run the split backward: three operators a block
+        # (ops.py); float64 on CUDA takes neither, and one operator
+        split = device.type == "cpu" or (case.mixed or case.dtype) != "float64"
+        backward = ({f"moeblaze::moe_ffn_backward_{half}": size.layers for half in ("act", "dx", "dw")}
                     if split else {"moeblaze::moe_ffn_backward": size.layers})
         want_calls = {"moeblaze::moe_ffn": forwards, **backward} if compiled else {}
         problems = [f"rank {r}: counters {e['counters']}, expected {want_counters}"

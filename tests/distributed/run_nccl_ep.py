@@ -63,12 +63,13 @@ GPU_SIZE = EPSize(experts=16, top_k=4, d=1024, h=512, tokens=4096)  # 4096 token
 CPU_SIZE = EPSize(experts=4, top_k=2, d=32, h=48, tokens=37)  # 37 tokens per rank: not a multiple of anything
 
 EVENT_FORWARD = "moeblaze::moe_ffn"
-# The operator's backward is one operator, or on the Triton path with a static row count two (ops.py, "the split
-# backward"). The rows the local region receives come from the token all-to-all: their count is data-dependent,
-# so the autograd formula is traced with a symbolic row count and takes the single operator; either form is one
-# backward and is accepted on CUDA, the CPU path has only the single one.
+# The operator's backward is one operator, or with a static row count three (ops.py, "the split backward"). The
+# rows the local region receives come from the token all-to-all: their count is data-dependent, so the autograd
+# formula is traced with a symbolic row count and takes the single operator; either form is one backward and is
+# accepted on CUDA, on the CPU only the single one is expected.
 BACKWARD_FORMS = ({"moeblaze::moe_ffn_backward": 1},
-                  {"moeblaze::moe_ffn_backward_act": 1, "moeblaze::moe_ffn_backward_dx": 1})
+                  {"moeblaze::moe_ffn_backward_act": 1, "moeblaze::moe_ffn_backward_dx": 1,
+                   "moeblaze::moe_ffn_backward_dw": 1})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,11 +57,13 @@ MIXED_CASES = [case for mixed in MIXED for case in (
 # Counters on every rank. The two blocks are one class: Dynamo traces the parameters as graph inputs
 # (inline_inbuilt_nn_modules), so the second block runs the graph compiled for the first and one region is
 # rewritten per compile, whether each block is compiled before fully_shard or the model after it. The profiler's
-# count of operator calls in the last step shows that both blocks run the operator: 2 forwards and 2 backwards,
-# and 2 more forwards where activation checkpointing recomputes the blocks in backward.
+# count of operator calls in the last step shows that both blocks run the operator: 2 forwards and 2 backwards (each
+# the split backward's three operators), and 2 more forwards where activation checkpointing recomputes the blocks in
+# backward.
 EXPECTED_COUNTERS = {"rewritten": 1}
-EXPECTED_OP_CALLS = {"moeblaze::moe_ffn": 2, "moeblaze::moe_ffn_backward": 2}
-EXPECTED_OP_CALLS_CHECKPOINTED = {"moeblaze::moe_ffn": 4, "moeblaze::moe_ffn_backward": 2}
+_SPLIT_BACKWARD = {f"moeblaze::moe_ffn_backward_{half}": 2 for half in ("act", "dx", "dw")}  # ops.py, the split
+EXPECTED_OP_CALLS = {"moeblaze::moe_ffn": 2, **_SPLIT_BACKWARD}
+EXPECTED_OP_CALLS_CHECKPOINTED = {"moeblaze::moe_ffn": 4, **_SPLIT_BACKWARD}
 
 
 def expected(case: Case) -> tuple[dict, dict]:
