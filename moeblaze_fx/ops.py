@@ -664,6 +664,31 @@ def _check_dpre(name, dpre, x, ids, views, activation):
                          f"{x.dtype}; got {tuple(dpre.shape)} of {dpre.dtype}")
 
 
+def _from_dpre(phase, dpre, x, ids, weights, params, layout, plan, activation, kernel_options):
+    """The split backward's second or third operator (``phase`` "dx" or "dw"), from the first one's dA|dB: the
+    (dx or None, None, the gate side's gradients, none for "dx") of :func:`_torch_phase` / :func:`_kernel_backward`."""
+    name = f"moe_ffn_backward_{phase}"
+    E, views, opts, (_, gate_side), path = _split_call(name, x, params, layout, plan, kernel_options)
+    _check_dpre(name, dpre, x, ids, views, activation)
+    groups = gate_side if phase == "dw" else []
+    act = parse_activation(activation)
+    if path == "cpu":
+        return _torch_phase(phase, None, x, ids, weights, params, views, E, act, None, dpre, groups, opts)
+    with _using(opts, x.dtype):
+        bufs = _once(lambda: _grad_buffers(params, views, E, groups))
+        experts = _expert_weights(x, params, views, E)
+        return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
+                                phase, dpre)
+
+
+def _from_dpre_fake(phase, dpre, x, ids, params, layout, plan, activation, kernel_options):
+    """The gate side's groups of a split-backward call from dA|dB, its arguments checked as the real one checks."""
+    name = f"moe_ffn_backward_{phase}"
+    _, views, _, (_, gate_side), _ = _split_call(name, x, params, layout, plan, kernel_options)
+    _check_dpre(name, dpre, x, ids, views, activation)
+    return gate_side
+
+
 @torch.library.custom_op("moeblaze::moe_ffn_backward_dx", mutates_args=())
 @_own_precision
 def _moe_ffn_backward_dx(
@@ -678,21 +703,12 @@ def _moe_ffn_backward_dx(
     kernel_options: str = "",
 ) -> Tensor:
     """The split backward's second operator: dx from the first one's dA|dB (no parameter gradient)."""
-    E, views, opts, _, path = _split_call("moe_ffn_backward_dx", x, params, layout, plan, kernel_options)
-    _check_dpre("moe_ffn_backward_dx", dpre, x, ids, views, activation)
-    act = parse_activation(activation)
-    if path == "cpu":
-        return _torch_phase("dx", None, x, ids, weights, params, views, E, act, None, dpre, [], opts)[0]
-    with _using(opts, x.dtype):
-        experts = _expert_weights(x, params, views, E)
-        return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, _once(dict), 0,
-                                opts, "dx", dpre)[0]
+    return _from_dpre("dx", dpre, x, ids, weights, params, layout, plan, activation, kernel_options)[0]
 
 
 @_moe_ffn_backward_dx.register_fake
 def _moe_ffn_backward_dx_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
-    _, views, _, _, _ = _split_call("moe_ffn_backward_dx", x, params, layout, plan, kernel_options)
-    _check_dpre("moe_ffn_backward_dx", dpre, x, ids, views, activation)
+    _from_dpre_fake("dx", dpre, x, ids, params, layout, plan, activation, kernel_options)
     return torch.empty_like(x)
 
 
@@ -711,24 +727,12 @@ def _moe_ffn_backward_dw(
 ) -> list[Tensor]:
     """The split backward's third operator: the gradients of the groups other than the down side's (the gate|up
     weights and their biases) from the first one's dA|dB, x and the plan."""
-    E, views, opts, (_, gate_side), path = _split_call("moe_ffn_backward_dw", x, params, layout, plan,
-                                                       kernel_options)
-    _check_dpre("moe_ffn_backward_dw", dpre, x, ids, views, activation)
-    act = parse_activation(activation)
-    if path == "cpu":
-        return _torch_phase("dw", None, x, ids, weights, params, views, E, act, None, dpre, gate_side, opts)[2]
-    with _using(opts, x.dtype):
-        bufs = _once(lambda: _grad_buffers(params, views, E, gate_side))
-        experts = _expert_weights(x, params, views, E)
-        return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
-                                "dw", dpre)[2]
+    return _from_dpre("dw", dpre, x, ids, weights, params, layout, plan, activation, kernel_options)[2]
 
 
 @_moe_ffn_backward_dw.register_fake
 def _moe_ffn_backward_dw_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
-    _, views, _, (_, gate_side), _ = _split_call("moe_ffn_backward_dw", x, params, layout, plan, kernel_options)
-    _check_dpre("moe_ffn_backward_dw", dpre, x, ids, views, activation)
-    return _fake_grads(params, gate_side)
+    return _fake_grads(params, _from_dpre_fake("dw", dpre, x, ids, params, layout, plan, activation, kernel_options))
 
 
 def _setup_context(ctx, inputs, output):

@@ -239,42 +239,24 @@ def test_cuda_new_token_counts_compile_nothing():
     """Once a size has run, other token counts (T and T*K with other residues mod 16, other tile counts) reuse every
     compiled kernel: the count of compiled specializations does not grow (a kernel per divisibility pattern of the
     token-sized ints did: torchtitan's expert parallelism, whose rows change every step, compiled most steps)."""
-    from moeblaze_fx import moe_ffn
-
-    d, h, E, K = 256, 192, 8, 2
-    g = torch.Generator().manual_seed(0)
-    wgu = (torch.randn(E, 2 * h, d, generator=g) / d**0.5).cuda().bfloat16().requires_grad_()
-    wd = (torch.randn(E, d, h, generator=g) / h**0.5).cuda().bfloat16().requires_grad_()
-
-    def step(T):
-        x = torch.randn(T, d, generator=g).cuda().bfloat16().requires_grad_()
-        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].cuda()
-        w = torch.rand(T, K, generator=g).cuda().bfloat16().requires_grad_()
-        y = moe_ffn(x, ids, w, (wgu, wd))
-        torch.autograd.grad(y, (x, w, wgu, wd), torch.randn_like(y))
+    inputs, step = _cuda_layer()
 
     def compiled():
         return sum(len(cache[0]) for _, k in _launched_kernels() for cache in k.device_caches.values())
 
-    step(1000)
+    step(*inputs(1000))
     before = compiled()
     assert before > 0
     for T in (1008, 1001, 1016, 1003, 1024, 1999, 2048):
-        step(T)
+        step(*inputs(T))
     assert compiled() == before
 
 
-@pytest.mark.cuda
-def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
-    """The operator's launches (dispatch, up, down, combine, dh, dW) take the launcher from the second step on,
-    and steps of other sizes (T not a multiple of 16, T = 1), whose specializations may differ, give bit for bit
-    what Triton's own path gives."""
-    import triton
-
+def _cuda_layer():
+    """(inputs, step) of one bf16 layer on the GPU (d, h, E, K = 256, 192, 8, 2): ``inputs(T)`` gives (x, ids, w, dy),
+    ``step(x, ids, w, dy)`` the output and the gradients of x, w and both expert weights."""
     from moeblaze_fx import moe_ffn
 
-    if not triton.__version__.startswith("3.6."):
-        pytest.skip(f"the launcher's calling convention is Triton 3.6's; this is {triton.__version__}")
     d, h, E, K = 256, 192, 8, 2
     g = torch.Generator().manual_seed(0)
     wgu = (torch.randn(E, 2 * h, d, generator=g) / d**0.5).cuda().bfloat16().requires_grad_()
@@ -290,6 +272,19 @@ def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
         y = moe_ffn(x, ids, w, (wgu, wd))
         return (y, *torch.autograd.grad(y, (x, w, wgu, wd), dy))
 
+    return inputs, step
+
+
+@pytest.mark.cuda
+def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
+    """The operator's launches (dispatch, up, down, combine, dh, dW) take the launcher from the second step on,
+    and steps of other sizes (T not a multiple of 16, T = 1), whose specializations may differ, give bit for bit
+    what Triton's own path gives."""
+    import triton
+
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the launcher's calling convention is Triton 3.6's; this is {triton.__version__}")
+    inputs, step = _cuda_layer()
     first_inputs = inputs(1000)
     first = step(*first_inputs)
     before = L.stats()
