@@ -57,13 +57,18 @@ def encode_layout(num_experts: int, views: Sequence[RoleView | None]) -> list[in
     return out
 
 
-def decode_layout(layout: Sequence[int]) -> tuple[int, list[RoleView | None]]:
-    layout = [int(v) for v in layout]
+def decode_layout(layout: Sequence[int]) -> tuple[int, tuple[RoleView | None, ...]]:
+    """``(E, views)`` of an encoded layout (cached: every operator call decodes its layout)."""
+    return _decode_layout(tuple(int(v) for v in layout))  # SymInts under tracing: the layout is static
+
+
+@functools.lru_cache(maxsize=512)
+def _decode_layout(layout: tuple[int, ...]) -> tuple[int, tuple[RoleView | None, ...]]:
     n = len(ROLES) * len(RoleView._fields)
     if len(layout) != 1 + n:
         raise ValueError(f"moeblaze.moe_ffn: layout must hold 1 + {n} ints (see encode_layout), got {len(layout)}")
     views = [RoleView(*layout[1 + 8 * i: 9 + 8 * i]) for i in range(len(ROLES))]
-    return int(layout[0]), [None if v.first < 0 else v for v in views]
+    return int(layout[0]), tuple(None if v.first < 0 else v for v in views)
 
 
 def layout_of(experts: ExpertParams, within: Sequence[tuple[Tensor, int] | None] | None = None

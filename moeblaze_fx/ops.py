@@ -264,12 +264,60 @@ class _KernelWeights(NamedTuple):
     biases: list  # gate, up, down bias: contiguous [E, n] or None
 
 
-def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
-    """What one call's windows or chunks compute with, built once: tables and biases for the kernels, or dense
-    ``ExpertParams`` for the plain-PyTorch path."""
-    if _use_triton(x):
+def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], E: int,
+                    key: tuple | None = None):
+    """What one call's windows or chunks compute with: tables and biases for the kernels, or dense ``ExpertParams``
+    for the plain-PyTorch path. With ``key`` (:func:`_weights_key` of ``params`` and the layout of ``views``), the
+    tables' pointers are kept for later calls with the same key, dtype and stream where they may be
+    (``tables.cacheable``); what is kept holds no parameter, so it keeps none alive: each call views the parameters
+    again (the tables' ``dense``, the biases)."""
+    if not _use_triton(x):
+        return dense_experts(params, views, E)
+    tables = _triton_kernels()[3]
+    if key is None or not tables.cacheable(x.device):
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E))
-    return dense_experts(params, views, E)
+    key = (key, x.dtype, tables.stream_key(x.device))
+    kept = _WEIGHTS.get(key)
+    if kept is None:
+        built = _tables(params, views, E)
+        _remember(_WEIGHTS, key, tables.ExpertTables(*[None if t is None else t._replace(dense=None) for t in built]))
+    else:  # the same tables over this call's views of the parameters
+        built = tables.ExpertTables(*[None if t is None else t if v.count > 1 else t._replace(
+            dense=role_value(params, v, E)) for t, v in zip(kept, views[:3])])
+    return _KernelWeights(built, _biases(params, views, E))
+
+
+# An operator step makes four calls (the forward and the three backward operators), and each checked its arguments
+# and built the experts' tables again: about a tenth of the step's host time at (8192, 1024, 512, 64, 8) (H100,
+# docs/host.md). What depends only on the arguments' shapes, dtypes, devices, layout and the parameters' addresses
+# is kept here, by those. Bounded: a full cache is emptied (FSDP2's parameters may change addresses every step).
+_CACHE_MAX = 512
+_CHECKED: dict = {}  # _check_inputs's (h, act), by what it reads
+_WEIGHTS: dict = {}  # _expert_weights's tables without their dense views, by _weights_key, dtype and stream
+
+
+def _remember(cache: dict, key, value):
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _weights_key(params: Sequence[Tensor], layout: Sequence[int]) -> tuple:
+    """The parameters' addresses, shapes, strides, dtypes and devices, and the layout."""
+    return tuple((p.data_ptr(), p.shape, p.stride(), p.dtype, p.device) for p in params), tuple(layout)
+
+
+def _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey) -> tuple[int, Activation]:
+    """:func:`_check_inputs` of a real call, run once per signature of the arguments (``wkey``: the
+    :func:`_weights_key` of ``params`` and ``layout``)."""
+    key = (x.shape, x.dtype, x.device, ids.shape, ids.dtype, ids.device, weights.shape, weights.dtype, weights.device,
+           wkey, activation, checkpoint, chunk_tokens)
+    got = _CHECKED.get(key)
+    if got is None:
+        got = _remember(_CHECKED, key, _check_inputs(x, ids, weights, params, layout, activation, checkpoint,
+                                                     chunk_tokens))
+    return got
 
 
 def _forward_chunk(x, ids, weights, experts, E, act, save_preact, opts, out=None, preact_out=None):
@@ -296,19 +344,20 @@ def _moe_ffn(
     chunk_tokens: int,
     kernel_options: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
+    wkey = _weights_key(params, layout)
+    h, act = _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey)
     opts = decode_kernels(kernel_options)
     _check_ids_range(ids)
     with _using(opts, x.dtype):
-        return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts)
+        return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
 
 
-def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts):
+def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey):
     E, views = decode_layout(layout)
     T, K = ids.shape
     save = checkpoint == "activations"
     width = (2 if act.gated else 1) * h
-    experts = _expert_weights(x, params, views, E)
+    experts = _expert_weights(x, params, views, E, wkey)
     if isinstance(experts, _KernelWeights):  # one plan; windows of chunk_tokens * K slots bound the transients
         plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
         y, preact = _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
@@ -437,7 +486,7 @@ def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, c
         raise ValueError(f"moeblaze.moe_ffn_backward: plan must be the forward's {len(DispatchPlan._fields)} int32 "
                          f"tensors (or [] to dispatch again); got {[(tuple(t.shape), t.dtype) for t in plan]}")
     grad_y = grad_y.contiguous()
-    experts = _expert_weights(x, params, views, E)
+    experts = _expert_weights(x, params, views, E, _weights_key(params, layout))
     if isinstance(experts, _KernelWeights):
         return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan,
                                 _once(lambda: _grad_buffers(params, views, E)), chunk_tokens, opts)
@@ -643,7 +692,7 @@ def _moe_ffn_backward_act(
                             down_side, opts)
     with _using(opts, x.dtype):
         bufs = _once(lambda: _grad_buffers(params, views, E, down_side))
-        experts = _expert_weights(x, params, views, E)
+        experts = _expert_weights(x, params, views, E, _weights_key(params, layout))
         return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, act, preact, False, plan,
                                 bufs, 0, opts, "act")
 
@@ -676,7 +725,7 @@ def _from_dpre(phase, dpre, x, ids, weights, params, layout, plan, activation, k
         return _torch_phase(phase, None, x, ids, weights, params, views, E, act, None, dpre, groups, opts)
     with _using(opts, x.dtype):
         bufs = _once(lambda: _grad_buffers(params, views, E, groups))
-        experts = _expert_weights(x, params, views, E)
+        experts = _expert_weights(x, params, views, E, _weights_key(params, layout))
         return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
                                 phase, dpre)
 

@@ -87,7 +87,7 @@ from .act import ACT_CODES, _act_forward
 from .autotune import plan_block_m
 from .launch import launch, sized
 from .reference import Activation, DispatchPlan, max_tiles, parse_activation
-from .tables import ExpertTables, WeightTable, interleaved_gate_up
+from .tables import ExpertTables, WeightTable, cacheable, interleaved_gate_up, stream_key
 
 __all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align", "ACT_CODES", "SlotWindow",
            "slot_windows", "num_slot_windows"]
@@ -784,7 +784,7 @@ def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
     dev = plan.token_index.device
     count = num_slot_windows(N, window_slots)
     if count == 1:
-        return [SlotWindow(0, N, torch.zeros(1, dtype=torch.int32, device=dev), total)]
+        return [SlotWindow(0, N, _zero_tile(dev), total)]
     step = triton.cdiv(N, count)
     bm = plan_block_m()
     te = plan.tile_expert.long()
@@ -794,6 +794,19 @@ def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
     firsts = torch.searchsorted(ends, starts, right=True).to(torch.int32)  # first tile ending after slot0
     return [SlotWindow(s0, min(s0 + step, N), firsts[i: i + 1], min(total, max_tiles(min(step, N - s0), E, bm) + 1))
             for i, s0 in enumerate(range(0, N, step))]
+
+
+def _zero_tile(device: torch.device) -> Tensor:
+    """``[1]`` int32 zero on ``device``: one window's first tile. The kernels only read it, so it is made once per
+    device and stream where a kept tensor may be (``tables.cacheable``; a fill launch a call otherwise)."""
+    if not cacheable(device):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return _kept_zero(device, stream_key(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_zero(device: torch.device, stream: int) -> Tensor:  # noqa: ARG001 (a key)
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -26,6 +26,7 @@ Three layers live here:
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import NamedTuple
@@ -183,6 +184,11 @@ def parse_activation(spec: "str | Activation") -> Activation:
     """``Activation`` from its string form; raises ``ValueError`` naming the supported forms."""
     if isinstance(spec, Activation):
         return spec
+    return _parse_activation(spec) if isinstance(spec, str) else _parse_activation.__wrapped__(spec)
+
+
+@functools.lru_cache(maxsize=128)  # every operator call parses its activation
+def _parse_activation(spec: str) -> Activation:
     m = _SPEC.match(spec) if isinstance(spec, str) else None
     name = m and m.group(1)
     params = PARAMETERS.get(name, ())

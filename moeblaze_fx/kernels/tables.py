@@ -30,7 +30,7 @@ from torch import Tensor
 from .reference import ExpertParams
 
 __all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "table_of_addresses", "tables_of",
-           "interleaved_gate_up"]
+           "interleaved_gate_up", "cacheable", "stream_key"]
 
 
 class WeightTable(NamedTuple):
@@ -101,15 +101,24 @@ def _trees_warming_up(device: torch.device) -> bool:
     return manager is not None and manager.in_warmup
 
 
+def cacheable(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept for later calls: a CUDA device, with allocations not coming
+    from a CUDA graph's pool. A tensor made during a capture holds its values only once the graph replays, and one
+    made during the trees' warm-up sits in memory the recorded graph reuses."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing() and not _trees_warming_up(device)
+
+
+def stream_key(device: torch.device) -> int:
+    """The current stream of a CUDA ``device``, for cache keys: a cached tensor is read only on the stream that
+    wrote it (a hit is never read on a stream the kernel that wrote it may not have reached)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _strided_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
-    """``[E]`` int64 addresses ``first + e * step`` on ``device``. On CUDA, cached per stream (a hit is never read
-    on a stream the kernel that wrote it may not have reached), except while allocations come from a CUDA graph's
-    pool: a tensor made during a capture holds its values only once the graph
-    replays, and one made during the trees' warm-up sits in memory the recorded graph reuses."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or _trees_warming_up(device):
+    """``[E]`` int64 addresses ``first + e * step`` on ``device``, cached per stream where :func:`cacheable`."""
+    if not cacheable(device):
         return _arange_ptrs(first, E, step, device)
-    stream = torch.cuda.current_stream(device)
-    return _cached_strided_ptrs(first, E, step, stream.device, stream.cuda_stream)
+    return _cached_strided_ptrs(first, E, step, device, stream_key(device))
 
 
 @functools.lru_cache(maxsize=256)
