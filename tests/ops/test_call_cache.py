@@ -1,0 +1,129 @@
+"""What an operator call keeps for the next (ops.py): its arguments' checks by their signature, the experts' tables by
+the parameters' addresses, the layout and the activation parsed once; nothing kept holds a parameter."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from moeblaze_fx import ops
+from moeblaze_fx.kernels.reference import ExpertParams, parse_activation, split_gate_up
+from moeblaze_fx.layout import decode_layout, layout_of
+
+
+def _args(T=12, d=8, h=6, E=4, K=2, device="cpu", dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g, dtype=torch.float64).to(device, dtype)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(device)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64).to(device, dtype)
+    wgu = (torch.randn(E, 2 * h, d, generator=g, dtype=torch.float64) / d**0.5).to(device, dtype)
+    wd = (torch.randn(E, d, h, generator=g, dtype=torch.float64) / h**0.5).to(device, dtype)
+    params, layout = layout_of(ExpertParams(*split_gate_up(wgu), wd))
+    return x, ids, w, params, layout
+
+
+def _call(x, ids, w, params, layout, chunk_tokens=0, activation="swiglu"):
+    return torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, activation, "activations", chunk_tokens, "")[0]
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    calls = []
+    check = ops._check_inputs
+
+    def counting(*args):
+        calls.append(args)
+        return check(*args)
+
+    monkeypatch.setattr(ops, "_check_inputs", counting)
+    ops._CHECKED.clear()
+    return calls
+
+
+def test_arguments_are_checked_once_per_signature(counted_checks):
+    x, ids, w, params, layout = _args()
+    first = _call(x, ids, w, params, layout)
+    second = _call(x, ids, w, params, layout)
+    assert len(counted_checks) == 1
+    assert torch.equal(first, second)
+    _call(x, ids, w, params, layout, chunk_tokens=5)  # another signature: checked
+    assert len(counted_checks) == 2
+    x2, ids2, w2, _, _ = _args(T=7, seed=1)  # other tokens: checked
+    _call(x2, ids2, w2, params, layout)
+    assert len(counted_checks) == 3
+    _call(x2, ids2, w2, params, layout)
+    assert len(counted_checks) == 3
+
+
+def test_a_failed_check_is_not_kept(counted_checks):
+    x, ids, w, params, layout = _args()
+    _call(x, ids, w, params, layout)
+    for _ in range(2):  # the same shapes with a wrong activation fail every time
+        with pytest.raises(ValueError, match="unknown activation"):
+            _call(x, ids, w, params, layout, activation="swishy")
+    with pytest.raises(TypeError, match="ids must be int32 or int64"):
+        _call(x, ids.double(), w, params, layout)
+    bad = list(layout)
+    bad[0] += 1  # one expert more than the parameters hold
+    with pytest.raises(ValueError, match="bad layout"):
+        _call(x, ids, w, params, bad)
+    assert len(ops._CHECKED) == 1
+
+
+def test_a_full_cache_is_emptied(monkeypatch):
+    monkeypatch.setattr(ops, "_CACHE_MAX", 3)
+    cache: dict = {}
+    for i in range(3):
+        ops._remember(cache, i, i)
+    assert cache == {0: 0, 1: 1, 2: 2}
+    ops._remember(cache, 3, 3)
+    assert cache == {3: 3}
+
+
+def test_layout_and_activation_are_parsed_once():
+    _, _, _, _, layout = _args()
+    E, views = decode_layout(layout)
+    assert decode_layout(list(layout)) is decode_layout(tuple(layout))  # the same decoded object
+    assert E == 4 and isinstance(views, tuple) and views[0].rows == 6
+    assert parse_activation("swiglu_oai(alpha=1.702,limit=7.0)") is parse_activation("swiglu_oai(alpha=1.702,limit=7.0)")
+    with pytest.raises(ValueError, match="unknown activation"):
+        parse_activation(3)
+
+
+@pytest.mark.cuda
+def test_cuda_tables_are_kept_without_the_parameters():
+    """The tables are built once per parameters' addresses; what is kept has no dense view, so a model's weights are
+    freed with it; parameters at new addresses get new tables, and the output follows them."""
+    ops._WEIGHTS.clear()
+    x, ids, w, params, layout = _args(T=64, d=64, h=64, E=4, K=2, device="cuda", dtype=torch.bfloat16)
+    first = _call(x, ids, w, params, layout)
+    assert len(ops._WEIGHTS) == 1
+    kept = next(iter(ops._WEIGHTS.values()))
+    assert all(t is None or t.dense is None for t in kept)
+    assert torch.equal(_call(x, ids, w, params, layout), first)
+    assert len(ops._WEIGHTS) == 1
+    moved = [p.clone() for p in params]  # the same values at other addresses
+    assert torch.equal(_call(x, ids, w, moved, layout), first)
+    assert len(ops._WEIGHTS) == 2
+    assert len(params) == 2  # [gate|up, down]: y is linear in the down weights
+    torch.testing.assert_close(_call(x, ids, w, [params[0], 2 * params[1]], layout), first * 2, rtol=0, atol=0)
+    refs = [weakref.ref(p) for p in moved]
+    del moved
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.cuda
+def test_cuda_one_windows_first_tile_is_kept():
+    from moeblaze_fx.kernels.dispatch import dispatch
+    from moeblaze_fx.kernels.expert_fwd import slot_windows
+
+    ids = torch.randint(0, 4, (32, 2), device="cuda")
+    plan = dispatch(ids, 4)
+    a, b = slot_windows(plan, 0)[0].tile0, slot_windows(plan, 0)[0].tile0
+    assert a is b and a.tolist() == [0]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # another stream: its own
+        assert slot_windows(plan, 0)[0].tile0 is not a
