@@ -48,7 +48,7 @@ def sized(jit):
 # the launcher's calling convention and the compiled kernel's attributes relied on here are Triton 3.6's
 _SUPPORTED = triton.__version__.startswith("3.6.") and not interpreting()
 _CACHE: dict = {}
-_PARAM_KINDS: dict = {}
+_PARAM_KINDS: dict = {}  # id(kernel) -> (kernel, its parameters' kinds)
 _STATS = {"fast": 0, "slow": 0}
 
 try:  # pragma: no cover - depends on the Triton build
@@ -96,13 +96,14 @@ def _param_kinds(kernel) -> tuple:
     """Per positional parameter: True for a constexpr (keyed by its value), "width" for an int Triton does not
     specialize (keyed by its width only), False for the others; and the names of the non-constexprs (one of those
     passed by keyword is not keyed: Triton's path takes it)."""
-    flags = _PARAM_KINDS.get(kernel)
-    if flags is None:
-        flags = _PARAM_KINDS[kernel] = (
+    got = _PARAM_KINDS.get(id(kernel))
+    if got is None:  # keyed by identity (a kernel's own hash rebuilds its source key), holding the kernel: its id
+        # stays its own
+        got = _PARAM_KINDS[id(kernel)] = (kernel, (
             tuple(True if p.is_constexpr else "width" if getattr(p, "do_not_specialize", False) else False
                   for p in kernel.params),
-            frozenset(p.name for p in kernel.params if not p.is_constexpr))
-    return flags
+            frozenset(p.name for p in kernel.params if not p.is_constexpr)))
+    return got[1]
 
 
 def _width_key(a):
@@ -121,7 +122,7 @@ def _key(kernel, args, kwargs):
         return None
     # Triton's own options from its knobs: a kernel compiled without device asserts is not reused with them
     options = (_knobs.runtime.debug, _knobs.compilation.instrumentation_mode)
-    return kernel, torch.cuda.current_device(), args_key, tuple(kwargs.items()), options
+    return id(kernel), torch.cuda.current_device(), args_key, tuple(kwargs.items()), options  # (see _param_kinds)
 
 
 def _remaining_args(kernel, n_positional: int, kwargs: dict) -> tuple:

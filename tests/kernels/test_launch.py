@@ -127,6 +127,20 @@ def test_unkeyed_arguments_hooks_and_an_unsupported_triton_take_triton_s_path(fa
     assert _kinds(fast) == ["slow"] * 8 + ["fast"]
 
 
+def test_kernels_are_keyed_by_identity_never_hashed(fast):
+    """A kernel's own hash rebuilds its source key at every launch (Triton's JITFunction): the cache keys kernels by
+    identity and holds each one, so that an id is never reused by another kernel."""
+    class Unhashable(_Kernel):
+        def __hash__(self):
+            raise AssertionError("hashed")
+
+    a, b = (Unhashable(["x", "n", "flag", "BLOCK", "EXTRA"], {"EXTRA": 5}) for _ in range(2))
+    for kernel in (a, b, a, b):
+        L.launch(kernel, (1,), torch.zeros(4), 17, True, BLOCK=64)
+    assert _kinds(a) == _kinds(b) == ["slow", "fast"]
+    assert {id(a), id(b)} <= set(L._PARAM_KINDS) and L._PARAM_KINDS[id(a)][0] is a
+
+
 def test_a_constexpr_passed_by_position_is_keyed_by_value(fast):
     for block in (2, 8, 8):  # as ints, 2 and 8 would share a key (neither 1 nor a multiple of 16)
         L.launch(fast, (1,), torch.zeros(4), 17, True, block)
