@@ -31,8 +31,8 @@ host's time to enqueue one step on CUDA (``timing.host_enqueue_ms``: each step s
 synchronisation inside), the peak
 allocation of one step above the state before it (CUDA), the first call's time (compile included), the MoE
 regions rewritten (``torch._dynamo.utils.counters["moeblaze"]`` over the provider's compiles, beside the number of
-experts modules in the model, and the graphs Dynamo compiled) and the loss's relative difference from eager's on
-the same inputs. With ``fsdp_style`` the decoder layers have one structure, so Dynamo compiles the first layer's graph
+experts modules in the model, and the graphs Dynamo compiled; a region left alone puts its reason in the row's
+note) and the loss's relative difference from eager's on the same inputs. With ``fsdp_style`` the decoder layers have one structure, so Dynamo compiles the first layer's graph
 and runs it for every layer (the parameters are graph inputs): one region rewritten serves all MoE blocks.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..report import all_reports
 from .layer import environment, free_memory, is_oom
 from .results import JsonResult, mb_cell, number_cell
 from .timing import StepTimes, cuda_step_times, host_enqueue_ms, spread_note, sync, wall_step_times
@@ -280,6 +281,11 @@ def _moeblaze_counts() -> dict[str, int]:
     return dict(counters["moeblaze"])
 
 
+def _skip_reasons(reports: list) -> list[str]:
+    """The reasons of the regions these compiles' reports left alone, each cut to a readable length."""
+    return [(r.reason or "no reason recorded")[:200] for records in reports for r in records if r.status != "rewritten"]
+
+
 def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
@@ -473,6 +479,7 @@ def _run_tokens(model, family, tokens, split, providers, device, fsdp_style, moe
             bar.set_postfix_str(f"{family} {tokens} {provider}")
         torch._dynamo.reset()
         before, graphs_before = _moeblaze_counts(), _graphs_compiled()
+        reports_before = len(all_reports())
         fields: dict[str, Any] = {}
         status, error = "ok", ""
         undo = lambda: None  # noqa: E731
@@ -496,6 +503,9 @@ def _run_tokens(model, family, tokens, split, providers, device, fsdp_style, moe
         if provider == "moeblaze":
             fields["regions"] = regions
             fields["regions_rewritten"] = regions.get("rewritten", 0)
+            skipped = _skip_reasons(all_reports()[reports_before:])
+            if skipped and status == "ok":  # a block left to Inductor says why, in the row
+                error = f"skipped: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else "")
         if provider == "eager" and status == "ok":
             eager_loss = fields["loss"]
         if fields.get("loss") is not None and eager_loss is not None and provider != NO_EXPERTS:

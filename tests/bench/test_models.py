@@ -102,6 +102,21 @@ def test_fsdp_style_compiles_each_layer_and_puts_the_model_back():
     assert "each decoder layer compiled on its own" in result.to_markdown()
 
 
+def test_a_block_left_alone_says_why_in_its_row(monkeypatch):
+    # DeepSeek-V3's second block was left to Inductor on an H100 (its proof ran out of memory), and the row said only
+    # "1/2": the reason belongs in the row.
+    from moeblaze_fx.passes import pipeline
+    from moeblaze_fx.passes.prove import Proof
+
+    monkeypatch.setattr(pipeline, "prove", lambda *a: Proof(None, reason="internal error while proving: test"))
+    result = models.run_models_bench(["mixtral"], [32], layers=1, seq=16, tiny=True, providers=("moeblaze",),
+                                     device="cpu", warmup=1, reps=1, moeblaze_options=NO_INDUCTOR, progress=False)
+    row, = result.rows
+    assert (row["status"], row["regions"], row["regions_rewritten"]) == ("ok", {"skipped": 1}, 0)
+    assert row["note"] == "skipped: internal error while proving: test"
+    assert "| 0/1 (1 graph) | - | skipped: internal error while proving: test |" in result.to_markdown()
+
+
 def test_no_experts_stand_in_keeps_the_router_in_the_step():
     model = models.build_model("qwen3_moe", layers=1, tiny=True)
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
