@@ -25,7 +25,8 @@
 # generated here from a fixed seed (torchtitan's c4_test file is not in its wheel), in c4_test's format.
 #
 # Settings (environment): NGPU (2 or 4, default 2), STEPS (50), SEQ_LEN (2048), LOCAL_BATCH (4 sequences per GPU),
-# SEED (42), DETERMINISTIC (1: --debug.deterministic --debug.deterministic_warn_only), TOL_LOSS (2e-2: largest
+# SEED (42), DETERMINISTIC (1: --debug.deterministic --debug.deterministic_warn_only), EP (1: FSDP2 alone; NGPU:
+# FSDP2 + expert parallelism over every GPU, --parallelism.expert_parallel_degree NGPU), TOL_LOSS (2e-2: largest
 # allowed |loss difference| at any step), MOE_BLOCKS (8: MoE blocks of the debug model), PYTHON (python3),
 # WHL_DIR, PYARROW_DIR, TT_TARGET (/tmp/tt), SCRATCH (/tmp/tt_run: the text, the datasets cache, torchtitan's dump
 # folders with the profile traces, kept out of OUTDIR for their size), MOEBLAZE_OPTIONS (passed on; the script adds
@@ -164,15 +165,17 @@ SEQ_LEN=${SEQ_LEN:-2048}
 LOCAL_BATCH=${LOCAL_BATCH:-4}
 SEED=${SEED:-42}
 DETERMINISTIC=${DETERMINISTIC:-1}
+EP=${EP:-1}
 TOL_LOSS=${TOL_LOSS:-2e-2}
 MOE_BLOCKS=${MOE_BLOCKS:-8}
 
-for v in NGPU STEPS SEQ_LEN LOCAL_BATCH SEED MOE_BLOCKS; do
+for v in NGPU STEPS SEQ_LEN LOCAL_BATCH SEED MOE_BLOCKS EP; do
     [[ ${!v} =~ ^[0-9]+$ ]] || { echo "error: $v=${!v} is not a whole number" >&2; exit 2; }
 done
 [[ $NGPU == 2 || $NGPU == 4 ]] || { echo "error: NGPU=$NGPU: this benchmark runs on 2 or 4 GPUs (set NGPU=2 or NGPU=4)" >&2; exit 2; }
 (( STEPS >= 2 )) || { echo "error: STEPS=$STEPS: at least 2 (the operator is counted in the last step's profile)" >&2; exit 2; }
 [[ $DETERMINISTIC == 0 || $DETERMINISTIC == 1 ]] || { echo "error: DETERMINISTIC=$DETERMINISTIC: 0 or 1" >&2; exit 2; }
+[[ $EP == 1 || $EP == "$NGPU" ]] || { echo "error: EP=$EP: 1 (FSDP2 alone) or NGPU=$NGPU (experts over every GPU)" >&2; exit 2; }
 
 # torchtitan's own command line for one run (backend = inductor or moeblaze).
 train_args() {
@@ -192,6 +195,7 @@ train_args() {
         --job.dump_folder "$dump"
     )
     if [[ $DETERMINISTIC == 1 ]]; then args+=(--debug.deterministic --debug.deterministic_warn_only); fi
+    if ((EP > 1)); then args+=(--parallelism.expert_parallel_degree "$EP"); fi
     printf '%s\n' "${args[@]}"
 }
 
@@ -205,7 +209,7 @@ from torchtitan.config import ConfigManager
 c = ConfigManager().parse_args(sys.argv[1:])
 print(f"  {c.compile.backend:9s} model={c.model.name}/{c.model.flavor} steps={c.training.steps} "
       f"seq_len={c.training.seq_len} local_batch={c.training.local_batch_size} "
-      f"fsdp={c.parallelism.data_parallel_shard_degree} compile={c.compile.enable}:{','.join(c.compile.components)} "
+      f"fsdp={c.parallelism.data_parallel_shard_degree} ep={c.parallelism.expert_parallel_degree} compile={c.compile.enable}:{','.join(c.compile.components)} "
       f"ac={c.activation_checkpoint.mode} deterministic={c.debug.deterministic} seed={c.debug.seed} "
       f"profile_freq={c.profiling.profile_freq} dataset={c.training.dataset}:{c.training.dataset_path}")
 PY

@@ -275,6 +275,10 @@ def test_torchtitan_device_sh_still_checks_its_settings_when_run(tmp_path):
     done = _script(ROOT / "benchmarks" / "torchtitan_device.sh", "--compare", tmp_path, NGPU="3")
     assert done.returncode == 2
     assert "NGPU=3: this benchmark runs on 2 or 4 GPUs" in done.stderr
+    # expert parallelism spans every GPU or none
+    done = _script(ROOT / "benchmarks" / "torchtitan_device.sh", "--compare", tmp_path, NGPU="4", EP="2")
+    assert done.returncode == 2
+    assert "EP=2: 1 (FSDP2 alone) or NGPU=4 (experts over every GPU)" in done.stderr
     helped = _script(ROOT / "benchmarks" / "torchtitan_device.sh", "--help")
     assert helped.returncode == 0 and "NGPU=2 bash benchmarks/torchtitan_device.sh OUTDIR" in helped.stdout
 
