@@ -55,7 +55,7 @@ TIMED = [
     ("moeblaze_fx.kernels.expert_bwd", "expert_backward"), ("moeblaze_fx.kernels.expert_bwd", "_weight_grad"),
     ("moeblaze_fx.kernels.expert_bwd", "check_grad_tables"), ("moeblaze_fx.kernels.expert_bwd", "_dh_sm90_weights"),
     ("moeblaze_fx.kernels.gather_sm90", "_launch"), ("moeblaze_fx.kernels.down_sm90", "down_sm90"),
-    ("moeblaze_fx.kernels.down_sm90", "_row_block_descs"), ("moeblaze_fx.kernels.dw_sm90", "dw_sm90"),
+    ("moeblaze_fx.kernels.sm90.common", "row_block_descs"), ("moeblaze_fx.kernels.dw_sm90", "dw_sm90"),
     ("moeblaze_fx.kernels.dispatch", "dispatch"), ("moeblaze_fx.kernels.tables", "table_of"),
     ("moeblaze_fx.kernels.tables", "tables_of"), ("moeblaze_fx.kernels.autotune", "launch"),
 ]

@@ -65,30 +65,32 @@ import triton.language as tl
 from torch import Tensor
 
 from . import autotune, dw_sm90, gather_sm90
-from .act import ACT_CODES, _act_backward
+from .act import ACT_CODES, act_backward
 from .autotune import plan_block_m
 from .expert_fwd import (
-    _check_table,
-    _desc_view,
-    _grouped_tile_ids,
-    _table_ptr,
     _up_sm90_weights,
     _up_triton,
     _up_weight_mode,
-    _window_tile,
-    check_expert_inputs,
     combine,
-    dot_precision,
     down_operand,
     down_project,
-    slot_windows,
-    table_align,
-    tma_available,
-    weight_tma_mode,
 )
 from .launch import launch, sized
 from .reference import Activation, DispatchPlan
 from .tables import ExpertTables, WeightTable, interleaved_gate_up, table_of
+from .triton.common import (
+    check_expert_inputs,
+    check_table,
+    desc_view,
+    dot_precision,
+    grouped_tile_ids,
+    slot_windows,
+    table_align,
+    table_ptr,
+    tma_available,
+    weight_tma_mode,
+    window_tile,
+)
 
 __all__ = ["expert_backward"]
 
@@ -139,7 +141,7 @@ def _dh_epilogue(
         else:
             b = a  # unused
     d_hid = acc_dh * wt[:, None]
-    hid, d_a, d_b = _act_backward(a, b, d_hid, alpha, limit, ACT)
+    hid, d_a, d_b = act_backward(a, b, d_hid, alpha, limit, ACT)
     # <dH', H> over these columns; wrapped columns (offs_n >= h) must not count.
     prod = acc_dh * hid
     if not EVEN_N:
@@ -238,8 +240,8 @@ def _expert_dh_kernel(
     epilogue, which overwrites it with w * H (each element read and written by the same program)."""
     tl.static_assert(SPLIT_N == 1 or (SPLIT_N == 2 and not RECOMPUTE))
     tl.static_assert(PHASE == 0 or not RECOMPUTE)
-    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, SPLIT_N * BLOCK_N), GROUP_M)
-    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, SPLIT_N * BLOCK_N), GROUP_M)
+    e, start, first, end = window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
     if e < 0:
         return
@@ -257,15 +259,15 @@ def _expert_dh_kernel(
         offs_n1 = offs_n1 % h
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = grad_y_ptr + tok[:, None] * stride_g_t + offs_k[None, :] * stride_g_d  # [BLOCK_M, BLOCK_K]
-    wd_e = _table_ptr(down_table_ptr, e, w_ty, W_ALIGN)
+    wd_e = table_ptr(down_table_ptr, e, w_ty, W_ALIGN)
     wd0_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n0[None, :].to(tl.int64) * stride_wd_n  # [BLOCK_K, BLOCK_N]
     wd1_ptrs = wd_e + offs_k[:, None] * stride_wd_d + offs_n1[None, :].to(tl.int64) * stride_wd_n  # [BLOCK_K, BLOCK_N]
     if RECOMPUTE:
         x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
-        wg_ptrs = (_table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
+        wg_ptrs = (table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
                    + offs_n0[None, :].to(tl.int64) * stride_wg_n + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
         if GATED:
-            wu_ptrs = (_table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+            wu_ptrs = (table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
                        + offs_n0[None, :].to(tl.int64) * stride_wu_n + offs_k[:, None] * stride_wu_d)
     wt = tl.load(weights_ptr + (pair // K).to(tl.int64) * stride_wt_t + (pair % K) * stride_wt_k).to(tl.float32)
 
@@ -406,7 +408,7 @@ def _expert_dw_kernel(
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
     e = pid // (num_m * num_n)
-    pid_m, pid_n = _grouped_tile_ids(pid % (num_m * num_n), num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(pid % (num_m * num_n), num_m, num_n, GROUP_M)
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
     seg_lo = tl.maximum(lo, slot0)
@@ -446,9 +448,9 @@ def _expert_dw_kernel(
         out_mask = (offs_m < m_dim)[:, None] & (offs_n < n_dim)[None, :]
         add_mask = add_mask & (offs_n < n_dim)[None, :]
     if OUT_FP32:
-        out_e = _table_ptr(out_table_ptr, e, tl.float32, O_ALIGN)
+        out_e = table_ptr(out_table_ptr, e, tl.float32, O_ALIGN)
     else:
-        out_e = _table_ptr(out_table_ptr, e, a_ptr.dtype.element_ty, O_ALIGN)
+        out_e = table_ptr(out_table_ptr, e, a_ptr.dtype.element_ty, O_ALIGN)
     out_ptrs = out_e + offs_m[:, None].to(tl.int64) * stride_o_m + offs_n[None, :].to(tl.int64) * stride_o_n
     # The accumulator starts from C when adding (fp32; a predicated load, so zeros otherwise): loaded here,
     # while no accumulator is live yet; loading it after the loop needs a second 128x256 fp32 tile in
@@ -716,7 +718,7 @@ def _dh_sm90_weights(w: ExpertTables, d: int, x: Tensor) -> "gather_sm90.GatherW
     mode = weight_tma_mode([(w.down.stride_r, w.down.stride_c)], table_align(w.down), x.element_size(), x.device)
     if not (x.is_cuda and mode):
         return None
-    return gather_sm90.dh_weights(_desc_view(w.down, True, mode), mode == 2, d)
+    return gather_sm90.dh_weights(desc_view(w.down, True, mode), mode == 2, d)
 
 
 def _recompute_on_gluon(grad_y: Tensor, x: Tensor, hw: Tensor, dpre: Tensor, weights: Tensor, act: Activation,
@@ -741,7 +743,7 @@ def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor, roles=("g
         if g is None and name != "up":
             raise ValueError(f"grads.{name} is missing: this call writes the {name} weight's gradient")
         if g is not None:
-            _check_table(f"grads.{name}", g, t.rows, t.cols, E, x, dtypes)
+            check_table(f"grads.{name}", g, t.rows, t.cols, E, x, dtypes)
 
 
 # The roles whose weight gradients each phase of expert_backward writes

@@ -74,7 +74,6 @@ Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -83,66 +82,32 @@ import triton.language as tl
 from torch import Tensor
 
 from . import autotune, down_sm90, gather_sm90
-from .act import ACT_CODES, _act_forward
+from .act import ACT_CODES, act_forward
 from .autotune import plan_block_m
 from .launch import launch, sized
-from .reference import Activation, DispatchPlan, max_tiles, parse_activation
-from .tables import ExpertTables, WeightTable, cacheable, interleaved_gate_up, stream_key
+from .reference import Activation, DispatchPlan
+from .tables import ExpertTables, WeightTable, interleaved_gate_up
+from .triton.common import (
+    SlotWindow,
+    check_expert_inputs,
+    desc_view,
+    dot_precision,
+    grouped_tile_ids,
+    slot_windows,
+    table_align,
+    table_ptr,
+    w_desc,
+    w_tile,
+    weight_tma_mode,
+    window_tile,
+)
 
-__all__ = ["expert_forward", "plan_block_m", "check_expert_inputs", "table_align", "ACT_CODES", "SlotWindow",
-           "slot_windows", "num_slot_windows"]
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = ["expert_forward", "down_operand", "down_project", "combine", "combine_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared device helpers
 # ---------------------------------------------------------------------------------------------
-@triton.jit
-def _grouped_tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Map a 1-D program id to (row tile, column block), GROUP_M row tiles at a time, so the
-    programs running together share weight columns (and row tiles) in L2."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_m = group_id * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_pid_in_group) % group_size
-    pid_n = (pid % num_pid_in_group) // group_size
-    return pid_m, pid_n
-
-
-@triton.jit
-def _table_ptr(table_ptr, e, elem_ty: tl.constexpr, ALIGN: tl.constexpr):
-    """Expert e's matrix from a pointer table: one int64 load, cast to a pointer to ``elem_ty``.
-    ``ALIGN`` (bytes, proven by the host) restores the alignment the compiler cannot see through the cast."""
-    ptr = tl.load(table_ptr + e).to(tl.pointer_type(elem_ty))
-    if ALIGN > 1:  # on the pointer: a hint on the integer does not survive the cast (checked in the sm_90 SASS)
-        ptr = tl.multiple_of(ptr, ALIGN)
-    return ptr
-
-
-@triton.jit
-def _w_desc(base, k_dim, n_dim, stride_k, stride_n, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """A tensor descriptor (TMA on sm_90) over an expert's B [k_dim, n_dim] at ``base``: MODE 1 when n is the
-    contiguous axis, 2 when k is. Tiles past either bound read as zeros."""
-    if MODE == 1:
-        return tl.make_tensor_descriptor(base, shape=[k_dim, n_dim], strides=[stride_k, 1],
-                                         block_shape=[BLOCK_K, BLOCK_N])
-    else:
-        return tl.make_tensor_descriptor(base, shape=[n_dim, k_dim], strides=[stride_n, 1],
-                                         block_shape=[BLOCK_N, BLOCK_K])
-
-
-@triton.jit
-def _w_tile(desc, k0, n0, MODE: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile of B at (k0, n0) through a descriptor from :func:`_w_desc`."""
-    if MODE == 1:
-        return desc.load([k0, n0])
-    else:
-        return desc.load([n0, k0]).T
-
-
 @triton.jit
 def _w_tile_of(desc, e, k0, n0, MODE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile of B[e] at (k0, n0) through a host descriptor from :func:`host_weight_desc`
@@ -151,24 +116,6 @@ def _w_tile_of(desc, e, k0, n0, MODE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK
         return desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
     else:
         return desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-
-
-@triton.jit
-def _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot0, slot1):
-    """Row tile ``pid_m`` of a launch over the slot window [slot0, slot1), counted from the window's first
-    tile (``tile0_ptr``, computed on the device): (expert, tile start, first row, end row). The rows a
-    program owns are [first, end): the tile's rows clipped to the window (a tile cut by a window boundary is
-    computed by both windows, each storing its own rows). Expert -1: nothing to do (past the plan's last
-    tile, or the tile lies outside the window)."""
-    t = pid_m + tl.load(tile0_ptr)
-    inside = t < tiles_total
-    t = tl.minimum(t, tiles_total - 1)
-    e = tl.load(tile_expert_ptr + t)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.minimum(tl.load(offsets_ptr + tl.maximum(e, 0) + 1), slot1)
-    first = tl.maximum(start, slot0)
-    e = tl.where(inside & (e >= 0) & (first < end), e, -1)
-    return e, start, first, end
 
 
 @triton.jit
@@ -186,7 +133,7 @@ def _interleaved_up_loop(x_ptrs, w_base, pid_n, d, h, stride_x_d, stride_w_d, W_
     DESC: tl.constexpr = W_TMA if 2 * BLOCK_N <= 256 else 0
     if DESC:
         tl.static_assert(DESC == 1)  # the 2h columns are the contiguous axis
-        w_desc = _w_desc(w_base, d, 2 * h, stride_w_d, 1, DESC, BLOCK_K, 2 * BLOCK_N)
+        wt_desc = w_desc(w_base, d, 2 * h, stride_w_d, 1, DESC, BLOCK_K, 2 * BLOCK_N)
     else:
         offs_c = c0 + tl.arange(0, 2 * BLOCK_N)
         if not EVEN_N:
@@ -200,7 +147,7 @@ def _interleaved_up_loop(x_ptrs, w_base, pid_n, d, h, stride_x_d, stride_w_d, W_
             k_mask = offs_k < d - k0
             xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
         if DESC:
-            w = _w_tile(w_desc, k0, c0, DESC)
+            w = w_tile(wt_desc, k0, c0, DESC)
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
@@ -259,8 +206,8 @@ def _expert_up_kernel(
     program multiplies by one contiguous [BLOCK_K, 2 * BLOCK_N] tile of its transpose per K step (a descriptor
     when W_TMA, which is then 1) into one [BLOCK_M, 2 * BLOCK_N] accumulator, and splits its adjacent columns into
     A and B; the epilogue is the same."""
-    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
-    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
+    e, start, first, end = window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
     if e < 0:
         return
@@ -278,17 +225,17 @@ def _expert_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_x_t + offs_k[None, :] * stride_x_d  # [BLOCK_M, BLOCK_K]
     w_ty = x_ptr.dtype.element_ty
-    wg_base = _table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
+    wg_base = table_ptr(gate_table_ptr, e, w_ty, W_ALIGN)
     if INTERLEAVED:
         acc_a, acc_b = _interleaved_up_loop(x_ptrs, wg_base, pid_n, d, h, stride_x_d, stride_wg_d, W_TMA,
                                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N)
     else:
         if GATED:
-            wu_base = _table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
+            wu_base = table_ptr(up_table_ptr, e, w_ty, W_ALIGN)
         if W_TMA:  # B[k, n] = W[e][n, k]; columns past h and k past d read as zeros
-            wg_desc = _w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
+            wg_desc = w_desc(wg_base, d, h, stride_wg_d, stride_wg_n, W_TMA, BLOCK_K, BLOCK_N)
             if GATED:
-                wu_desc = _w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
+                wu_desc = w_desc(wu_base, d, h, stride_wu_d, stride_wu_n, W_TMA, BLOCK_K, BLOCK_N)
         else:
             wg_ptrs = (wg_base + offs_n_ld[None, :].to(tl.int64) * stride_wg_n
                        + offs_k[:, None] * stride_wg_d)  # [BLOCK_K, BLOCK_N]
@@ -304,9 +251,9 @@ def _expert_up_kernel(
                 k_mask = offs_k < d - k0
                 xa = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             if W_TMA:
-                wg = _w_tile(wg_desc, k0, pid_n * BLOCK_N, W_TMA)
+                wg = w_tile(wg_desc, k0, pid_n * BLOCK_N, W_TMA)
                 if GATED:
-                    wu = _w_tile(wu_desc, k0, pid_n * BLOCK_N, W_TMA)
+                    wu = w_tile(wu_desc, k0, pid_n * BLOCK_N, W_TMA)
             elif EVEN_K:
                 wg = tl.load(wg_ptrs)
                 if GATED:
@@ -344,10 +291,10 @@ def _expert_up_kernel(
         b = acc_b.to(out_ty)
         if SAVE_PREACT:
             tl.store(pre_ptrs + h * stride_pre_n, b, mask=mask)
-        hid = _act_forward(a.to(tl.float32), b.to(tl.float32), alpha, limit, ACT)
+        hid = act_forward(a.to(tl.float32), b.to(tl.float32), alpha, limit, ACT)
     else:
         af = a.to(tl.float32)
-        hid = _act_forward(af, af, alpha, limit, ACT)
+        hid = act_forward(af, af, alpha, limit, ACT)
     tl.store(hid_ptr + rows64[:, None] * stride_hid_s + offs_n[None, :] * stride_hid_n, hid.to(out_ty), mask=mask)
 
 
@@ -362,7 +309,7 @@ def _row_tile_k_loop(acc, a_ptrs, b_base, b_host, e, offs_n_ld, n0, k_dim, n_dim
     if B_HOST:
         b_desc = b_host
     elif B_TMA:
-        b_desc = _w_desc(b_base, k_dim, n_dim, stride_b_k, stride_b_n, B_TMA, BLOCK_K, BLOCK_N)
+        b_desc = w_desc(b_base, k_dim, n_dim, stride_b_k, stride_b_n, B_TMA, BLOCK_K, BLOCK_N)
     else:
         b_ptrs = b_base + offs_k[:, None] * stride_b_k + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [BK, BN]
     for k0 in range(0, k_dim, BLOCK_K):
@@ -374,7 +321,7 @@ def _row_tile_k_loop(acc, a_ptrs, b_base, b_host, e, offs_n_ld, n0, k_dim, n_dim
         if B_HOST:
             b = _w_tile_of(b_desc, e, k0, n0, B_TMA, BLOCK_K, BLOCK_N)
         elif B_TMA:
-            b = _w_tile(b_desc, k0, n0, B_TMA)
+            b = w_tile(b_desc, k0, n0, B_TMA)
         elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
@@ -401,7 +348,7 @@ def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride
     DESC: tl.constexpr = B_TMA if 2 * BLOCK_K <= 256 else 0
     if DESC:
         tl.static_assert(DESC == 2)
-        b_desc = _w_desc(b_base, 2 * k_dim, n_dim, 1, stride_b_n, DESC, 2 * BLOCK_K, BLOCK_N)
+        b_desc = w_desc(b_base, 2 * k_dim, n_dim, 1, stride_b_n, DESC, 2 * BLOCK_K, BLOCK_N)
     else:
         offs_kk = tl.arange(0, 2 * BLOCK_K)
         b_ptrs = b_base + offs_kk[:, None] + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [2 BK, BN]
@@ -416,7 +363,7 @@ def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride
             a1 = tl.load(a1_ptrs, mask=k_mask[None, :], other=0.0)
         a = tl.reshape(tl.join(a0, a1), [BLOCK_M, 2 * BLOCK_K])  # column 2j: A0's j, 2j + 1: A1's j
         if DESC:
-            b = _w_tile(b_desc, 2 * k0, n0, DESC)
+            b = w_tile(b_desc, 2 * k0, n0, DESC)
         elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
@@ -465,8 +412,8 @@ def _expert_down_kernel(
     INTERLEAVED (dX through interleaved gate and up weights, tables.interleaved_gate_up; TWO_B is then False and
     B_HOST too): B0[e] and B1[e] are rows 0::2 and 1::2 of one [2 k_dim, n_dim] matrix of unit row stride at
     b0_table_ptr's address (stride_b0_n along n), contracted in one K loop (:func:`_interleaved_k_loop`)."""
-    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
-    e, start, first, end = _window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
+    e, start, first, end = window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                         offsets_ptr, slot0, slot1)
     if e < 0:
         return
@@ -487,14 +434,14 @@ def _expert_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INTERLEAVED:
         tl.static_assert(not TWO_B and not B_HOST)
-        acc = _interleaved_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim,
+        acc = _interleaved_k_loop(acc, a_ptrs, table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim,
                                   n_dim, stride_a_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     else:
-        acc = _row_tile_k_loop(acc, a_ptrs, _table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0,
+        acc = _row_tile_k_loop(acc, a_ptrs, table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0,
                                k_dim, n_dim, stride_a_k, stride_b0_k, stride_b0_n, B_TMA, B_HOST, DOT_PRECISION,
                                BLOCK_K, BLOCK_N, EVEN_K)
     if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
-        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, _table_ptr(b1_table_ptr, e, b_ty, B_ALIGN), b1_desc,
+        acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, table_ptr(b1_table_ptr, e, b_ty, B_ALIGN), b1_desc,
                                e, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA, B_HOST,
                                DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
     if HAS_BIAS:
@@ -617,203 +564,6 @@ _expert_down_tuned = autotune.tuned(_expert_down_kernel, "down",
 # ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
-def table_align(*tables: WeightTable | None) -> int:
-    """Byte alignment every address of these tables is known to have (a power of two <= 16).
-
-    Read from the table's ``align`` field when it has one (the table builders know the addresses);
-    1 otherwise, which is always correct but costs the 16-byte loads on the GPU."""
-    align = 16
-    for t in tables:
-        if t is not None:
-            a = int(getattr(t, "align", 1) or 1)
-            align = min(align, a & -a)  # lowest set bit: a power of two dividing a
-    return max(align, 1)
-
-
-def tma_available(device: torch.device) -> bool:
-    """Whether kernels may build tensor descriptors on ``device``: TMA (sm_90+), or the Triton interpreter
-    (which runs them too). Sets Triton's scratch allocator when needed (:func:`ensure_tma_allocator`)."""
-    if autotune.interpreting():
-        return True
-    if device.type != "cuda" or not _has_tma(device.index if device.index is not None else torch.cuda.current_device()):
-        return False
-    ensure_tma_allocator()
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _has_tma(index: int) -> bool:
-    """CUDA device ``index`` is sm_90 or newer (and not ROCm: descriptors are untested there). Cached: it is
-    asked at every launch, and a windowed step's launches are bound by the host (docs/host.md)."""
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def ensure_tma_allocator() -> None:
-    """Tensor descriptors built inside a kernel need global scratch (128 bytes per descriptor and program)
-    from Triton's allocator: set one that takes it from PyTorch's caching allocator, unless the user has
-    set their own. The allocator is a context variable: this runs in the thread that launches (autograd's,
-    in backward), where an allocator the user set in another thread is not seen and this one is set."""
-    from triton.runtime import _allocation
-    current = getattr(_allocation, "_allocator", None)
-    if current is not None and not isinstance(current.get(), _allocation.NullAllocator):
-        return
-    triton.set_allocator(_torch_scratch)
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> Tensor:  # noqa: ARG001 (Triton's allocator signature)
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def weight_tma_mode(strides: list[tuple[int, int]], align: int, itemsize: int, device: torch.device) -> int:
-    """How a launch reads its weight tiles B[e] [k, n], given each table's (stride_k, stride_n) and their
-    proven byte alignment: 1 = tensor descriptors with n contiguous, 2 = with k contiguous, 0 = pointers.
-    A descriptor needs a 16-byte aligned base, a unit stride and a 16-byte aligned other stride.
-    Measured: docs/up.md, docs/down.md (tensor descriptors)."""
-    if align < 16 or not strides or not tma_available(device):
-        return 0
-    for mode, unit in ((1, 1), (2, 0)):
-        if all(st[unit] == 1 and (st[1 - unit] * itemsize) % 16 == 0 for st in strides):
-            return mode
-    return 0
-
-
-def _check_table(name: str, t: WeightTable, rows: int, cols: int, E: int, x: Tensor,
-                 dtypes: tuple[torch.dtype, ...]) -> None:
-    if (t.rows, t.cols) != (rows, cols):
-        raise ValueError(f"{name} table must describe [{rows}, {cols}] matrices, got [{t.rows}, {t.cols}]")
-    if t.ptrs.dim() != 1 or t.ptrs.numel() != E or t.ptrs.dtype != torch.int64:
-        raise ValueError(f"{name} table must hold E={E} int64 addresses, got {t.ptrs.numel()} of {t.ptrs.dtype}")
-    if t.ptrs.device != x.device:
-        raise ValueError(f"{name} table lives on {t.ptrs.device}, x on {x.device}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}"
-                        + ("; cast the weights (or run under autocast) before calling" if len(dtypes) == 1 else ""))
-
-
-def _check_bias(name: str, b: Tensor | None, shape: tuple[int, int], x: Tensor) -> None:
-    if b is None:
-        return
-    if tuple(b.shape) != shape:
-        raise ValueError(f"{name} must be [E, n] = {shape}, got shape {tuple(b.shape)}")
-    if b.dtype != x.dtype:
-        raise TypeError(f"{name} has dtype {b.dtype}; it must have x's dtype {x.dtype}")
-    if b.device != x.device:
-        raise ValueError(f"{name} is on {b.device}, x on {x.device}")
-    if not b.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (strides {b.stride()}); pass {name}.contiguous()")
-
-
-def check_expert_inputs(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
-                        activation: "Activation | str", gate_bias: Tensor | None = None,
-                        up_bias: Tensor | None = None, down_bias: Tensor | None = None
-                        ) -> tuple[int, int, int, int, int, Activation]:
-    """Validate shapes, dtypes, devices, the tables and the plan's tile height; return (T, d, K, E, h, act)."""
-    act = parse_activation(activation)
-    if act.name not in ACT_CODES:
-        raise ValueError(f"unsupported activation {act!r}; the Triton expert kernels implement {tuple(ACT_CODES)}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}")
-    T, d = x.shape
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; the expert kernels support {SUPPORTED_DTYPES}")
-    if weights.dim() != 2 or weights.shape[0] != T:
-        raise ValueError(f"weights must be [T, K] with T={T}, got shape {tuple(weights.shape)}")
-    if not weights.dtype.is_floating_point:
-        raise TypeError(f"routing weights must be a float tensor, got {weights.dtype}")
-    K = weights.shape[1]
-    if not isinstance(w, ExpertTables):
-        raise TypeError(f"w must be an ExpertTables (see kernels.tables), got {type(w).__name__}")
-    E = w.gate.ptrs.numel()
-    h = w.gate.rows
-    _check_table("gate", w.gate, h, d, E, x, (x.dtype,))
-    if act.gated != (w.up is not None):
-        raise ValueError(f"activation {act.name!r} " + ("needs an up table (gated)" if act.gated
-                                                        else "is not gated: pass w.up=None"))
-    if w.up is not None:
-        _check_table("up", w.up, h, d, E, x, (x.dtype,))
-    _check_table("down", w.down, d, h, E, x, (x.dtype,))
-    if up_bias is not None and not act.gated:
-        raise ValueError(f"up_bias given, but activation {act.name!r} has no up projection")
-    _check_bias("gate_bias", gate_bias, (E, h), x)
-    _check_bias("up_bias", up_bias, (E, h), x)
-    _check_bias("down_bias", down_bias, (E, d), x)
-    tensors = (x, weights) + tuple(plan)
-    if any(t.device != x.device for t in tensors):
-        raise ValueError("x, weights, expert tables and the plan must live on one device; got "
-                         + ", ".join(str(t.device) for t in tensors))
-    if plan.offsets.numel() != E + 1 or plan.token_index.numel() != T * K or plan.slot_of.numel() != T * K:
-        raise ValueError(f"plan does not match the inputs (E={E}, T*K={T * K}): offsets {plan.offsets.numel()}, "
-                         f"token_index {plan.token_index.numel()}, slot_of {plan.slot_of.numel()}")
-    bm = plan_block_m()
-    if plan.tile_expert.numel() != max_tiles(T * K, E, bm) or plan.tile_start.numel() != plan.tile_expert.numel():
-        raise ValueError(f"plan has {plan.tile_expert.numel()} row tiles, the kernels expect "
-                         f"{max_tiles(T * K, E, bm)}: build it with block_m=plan_block_m() (= {bm})")
-    return T, d, K, E, h, act
-
-
-class SlotWindow(NamedTuple):
-    """A range [slot0, slot1) of the plan's slots (expert-major order) that one round of launches covers.
-
-    The per-slot transients of a round (H, Y, dA|dB, w*H, dX per slot) hold only the window's rows, so the
-    window bounds them; each expert's weights are read by the windows its slots fall in, so, unlike
-    chunks of tokens, a window does not re-read every weight."""
-
-    slot0: int
-    slot1: int
-    tile0: Tensor  # [1] int32 on the device: the first row tile that meets the window
-    num_tiles: int  # a bound on the row tiles that meet the window: the launches' grid
-
-
-def num_slot_windows(num_slots: int, window_slots: int) -> int:
-    """How many windows :func:`slot_windows` makes of ``num_slots`` slots."""
-    if window_slots < 0:
-        raise ValueError(f"window_slots must be >= 0 (0: one window), got {window_slots}")
-    return triton.cdiv(num_slots, window_slots) if 0 < window_slots < num_slots else 1
-
-
-def slot_windows(plan: DispatchPlan, window_slots: int) -> list[SlotWindow]:
-    """Windows of at most ``window_slots`` slots (0: one window of all N), as equal as possible.
-
-    The row tiles meeting a window are a contiguous run of the plan's tiles (they are in slot order); the
-    first one is found on the device (a search over the tiles' ends), so there is no host synchronisation.
-    A window of n slots meets at most ``max_tiles(n, E, block_m) + 1`` tiles (one per expert for its ragged
-    end, plus one cut by the window's start)."""
-    N = plan.token_index.numel()
-    total = plan.tile_expert.numel()
-    E = plan.offsets.numel() - 1
-    dev = plan.token_index.device
-    count = num_slot_windows(N, window_slots)
-    if count == 1:
-        return [SlotWindow(0, N, _zero_tile(dev), total)]
-    step = triton.cdiv(N, count)
-    bm = plan_block_m()
-    te = plan.tile_expert.long()
-    ends = torch.minimum(plan.tile_start.long() + bm, plan.offsets.long()[te.clamp(min=0) + 1])
-    ends = torch.where(te >= 0, ends, torch.iinfo(torch.int64).max)  # unused tiles: after every slot
-    starts = torch.arange(0, N, step, device=dev, dtype=torch.int64)
-    firsts = torch.searchsorted(ends, starts, right=True).to(torch.int32)  # first tile ending after slot0
-    return [SlotWindow(s0, min(s0 + step, N), firsts[i: i + 1], min(total, max_tiles(min(step, N - s0), E, bm) + 1))
-            for i, s0 in enumerate(range(0, N, step))]
-
-
-def _zero_tile(device: torch.device) -> Tensor:
-    """``[1]`` int32 zero on ``device``: one window's first tile. The kernels only read it, so it is made once per
-    device and stream where a kept tensor may be (``tables.cacheable``; a fill launch a call otherwise)."""
-    if not cacheable(device):
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    return _kept_zero(device, stream_key(device))
-
-
-@functools.lru_cache(maxsize=64)
-def _kept_zero(device: torch.device, stream: int) -> Tensor:  # noqa: ARG001 (a key)
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 operands: IEEE products (torch's default for fp32 matmul is no tf32); 16-bit: tensor cores.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 class DownOperand(NamedTuple):
     """The B operand of the down kernel, resolved once per forward or backward call (not per window):
     B0[e] (and B1[e] for dX) [k, n], the tables' matrices (``k_is_rows``) or their transposes."""
@@ -844,7 +594,7 @@ def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim
     align = table_align(b0, b1)
     mode = weight_tma_mode(kn[:1] if b1 is None else kn, align, x.element_size(), x.device) if k_dim > 0 else 0
     # the [E, k, n] / [E, n, k] views a descriptor of every expert's B is built over (None: no such view)
-    views = [_desc_view(t, k_is_rows, mode) for t in ([b0] if b1 is None else [b0, b1])] if mode else [None]
+    views = [desc_view(t, k_is_rows, mode) for t in ([b0] if b1 is None else [b0, b1])] if mode else [None]
     whole = all(v is not None for v in views)
     host = whole  # one descriptor over every expert's B, built here (see host_weight_desc)
     descs = tuple(host_weight_desc(v, mode) for v in views) if host else (b0.ptrs,)
@@ -880,7 +630,7 @@ def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: Dispat
 
 
 def host_weight_desc(view: Tensor, mode: int):
-    """A tensor descriptor over every expert's B[e][k, n], given as the table's ``view`` from :func:`_desc_view`
+    """A tensor descriptor over every expert's B[e][k, n], given as the table's ``view`` from :func:`.triton.common.desc_view`
     for ``mode`` (:func:`weight_tma_mode`, which has proven the unit stride, the other stride's and the base's
     alignment): over [E, k, n] (1, n contiguous) or [E, n, k] (2). Its block follows the launch's configuration.
 
@@ -891,17 +641,6 @@ def host_weight_desc(view: Tensor, mode: int):
     if mode == 1:
         return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_K"], meta["BLOCK_N"]])
     return autotune.fitted_descriptor(view, lambda meta: [1, meta["BLOCK_N"], meta["BLOCK_K"]])
-
-
-def _desc_view(table: WeightTable, k_is_rows: bool, mode: int) -> Tensor | None:
-    """The [E, k, n] (mode 1) or [E, n, k] (mode 2) view of the table's one [E, r, c] tensor that a descriptor of
-    every expert's B[e] is built over (unit last stride); None when there is no such tensor, it is empty or its
-    expert stride is not 16-byte aligned."""
-    dense = table.dense
-    if dense is None or mode == 0 or dense.numel() == 0 or (dense.stride(0) * dense.element_size()) % 16:
-        return None  # (a descriptor's shape must be positive)
-    kn = dense if k_is_rows else dense.transpose(1, 2)
-    return kn if mode == 1 else kn.transpose(1, 2)
 
 
 def combine(y_slots: Tensor, weights: Tensor | None, plan: DispatchPlan, T: int, K: int, out: Tensor,
@@ -1035,7 +774,7 @@ def _up_sm90_weights(w: ExpertTables, d: int, mode: int, x: Tensor) -> "gather_s
     them (see :func:`.gather_sm90.up_weights`)."""
     if not (x.is_cuda and mode and w.up is not None) or interleaved_gate_up(w.gate, w.up):
         return None  # (the Gluon kernel reads two [h, d] matrices, not one interleaved [2h, d])
-    return gather_sm90.up_weights(_desc_view(w.gate, False, mode), _desc_view(w.up, False, mode), mode == 2, d)
+    return gather_sm90.up_weights(desc_view(w.gate, False, mode), desc_view(w.up, False, mode), mode == 2, d)
 
 
 def _up_triton(x: Tensor, w: ExpertTables, up: WeightTable, gate_bias: Tensor | None, up_bias: Tensor | None,

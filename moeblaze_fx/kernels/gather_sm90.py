@@ -53,15 +53,15 @@ from typing import NamedTuple
 import torch
 
 from . import act as act_math
-from . import down_sm90, dw_sm90
 from .launch import launch, sized
-from .down_sm90 import _GLUON
 from .reference import GATED_ACTIVATIONS
+from .sm90 import common
+from .sm90.common import GLUON
 
-if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
+if GLUON:  # the Gluon names as common imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from .down_sm90 import (
+    from .sm90.common import (
         GluonDescriptor,
         fence_async_shared,
         gl,
@@ -86,12 +86,12 @@ _PRODUCER_REGS = 96
 _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
 # The activations the up kernel's and the fused dh's epilogues take: every gated one (the plain ones, without an up
-# projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act._act_forward``,
-# ``act._act_backward``) with their ACT code.
+# projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act.act_forward``,
+# ``act.act_backward``) with their ACT code.
 ACTIVATIONS = frozenset(GATED_ACTIVATIONS)
 
 
-if _GLUON:
+if GLUON:
     BM: gl.constexpr = gl.constexpr(BLOCK_M)
     BK: gl.constexpr = gl.constexpr(BLOCK_K)
 
@@ -122,7 +122,7 @@ if _GLUON:
         n_k = k_dim // BK  # k_dim % BK == 0 (usable)
         g = 0  # steps issued so far, over all of this program's tiles
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+            e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 # rows outside [first, end) re-read one the tile owns: no masks, the stores drop them
@@ -218,7 +218,7 @@ if _GLUON:
         a = ab_smem.index(2 * p).load(st).to(gl.float32)
         b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
         d_hid = dh * wt[:, None]
-        hid, d_a, d_b = act_math._act_backward(a, b, d_hid, epi[10], epi[11], ACT)
+        hid, d_a, d_b = act_math.act_backward(a, b, d_hid, epi[10], epi[11], ACT)
         part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
         mask = row_ok[:, None] & col_ok[None, :]
         local = (rows - slot0).to(gl.int64)[:, None]
@@ -248,7 +248,7 @@ if _GLUON:
     @gluon.jit
     def _up_h_run(blocks, c0_ptr, stride_c0, done, target, start, first, end, n0, slot0, n_dim, alpha, limit,
                   NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
-        """H (``act._act_forward``, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
+        """H (``act.act_forward``, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
         RB rows x 64 columns of H: A and B read back rounded from the tile in shared memory (``blocks``: A's column
         blocks, then B's), H stored through pointers (rows in [first, end), columns below ``n_dim``); returns the
         blocks done."""
@@ -258,7 +258,7 @@ if _GLUON:
             rows, cols = _block_at(done, start, n0, NR, RB, st)
             a = blocks.index(done).load(st).to(gl.float32)
             b = blocks.index(done + NH).load(st).to(gl.float32)
-            hid = act_math._act_forward(a, b, alpha, limit, ACT).to(dtype)
+            hid = act_math.act_forward(a, b, alpha, limit, ACT).to(dtype)
             mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
             gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)
             done += 1
@@ -310,7 +310,7 @@ if _GLUON:
         p_n0 = gl.to_tensor(0)
 
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+            e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
                                                           tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/kernels.md)
@@ -333,7 +333,7 @@ if _GLUON:
                         b = b_bufs.index(sb)
                     acc = warpgroup_mma(a_bufs.index(sa), b, acc, use_acc=k > 0, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
+                    common.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
@@ -343,7 +343,7 @@ if _GLUON:
                                          p_end, p_n0, slot0, n_dim, epi[10], epi[11], NR, RB, ep, ACT)
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
+                common.release(empty_a, empty_b, g - 1, SA, SB, True)
                 row = start - slot0
                 full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
                 if ACT_EPI:  # this tile's epilogue is pending: it runs during the next tile's K loop
@@ -414,8 +414,8 @@ if _GLUON:
         b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_block,
                                            gl.NVMMASharedLayout.get_default_for(b_block, dtype))
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
-        ready_a, empty_a = dw_sm90.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
-        ready_b, empty_b = dw_sm90.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
+        ready_a, empty_a = common.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
+        ready_b, empty_b = common.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
         slot0, slot1 = gl.to_tensor(slot0), gl.to_tensor(slot1)
@@ -501,14 +501,14 @@ class GatherWeights(NamedTuple):
 
 def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeights | None:
     """Descriptors with blocks of ``block_n`` x 64 over each view's row blocks (see :func:`up_weights`)."""
-    if not (_GLUON and down_sm90.enabled() and views[0].is_cuda and down_sm90._is_sm90(views[0].device)):
+    if not (GLUON and common.enabled() and views[0].is_cuda and common.is_sm90(views[0].device)):
         return None
     if views[0].dtype not in (torch.bfloat16, torch.float16) or any(v.dtype != views[0].dtype for v in views):
         return None
     if k_dim <= 0 or k_dim % BLOCK_K:  # (with rows = k, the next expert's rows would be summed in)
         return None
     block = [block_n, BLOCK_K] if kmajor else [BLOCK_K, block_n]
-    got = down_sm90._row_block_descs(views, block)
+    got = common.row_block_descs(views, block)
     if got is None:
         return None
     descs, e_rows = got
@@ -535,8 +535,8 @@ def dh_weights(down, kmajor: bool, d: int) -> GatherWeights | None:
 
 
 def _gather_ok(a: torch.Tensor, outs: list[torch.Tensor], block_m: int) -> bool:
-    return (block_m == BLOCK_M and a.dtype in (torch.bfloat16, torch.float16) and down_sm90._rows_ok(a)
-            and all(o.dtype == a.dtype and down_sm90._rows_ok(o) for o in outs))
+    return (block_m == BLOCK_M and a.dtype in (torch.bfloat16, torch.float16) and common.rows_ok(a)
+            and all(o.dtype == a.dtype and common.rows_ok(o) for o in outs))
 
 
 def up_usable(x: torch.Tensor, hid: torch.Tensor, pre: torch.Tensor | None, act_name: str, biased: bool,
@@ -559,9 +559,9 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
     ``act``: the activation (an ``Activation`` named in :data:`ACTIVATIONS`) of the up kernel and the fused dh;
     ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own."""
     block = [BLOCK_M, block_n]
-    c0_desc = GluonDescriptor.from_tensor(c0, block, down_sm90._layout(block, c0.dtype))
+    c0_desc = GluonDescriptor.from_tensor(c0, block, common.layout(block, c0.dtype))
     c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
-    c1_desc = GluonDescriptor.from_tensor(c1, block, down_sm90._layout(block, c1.dtype)) if c1 is not c0 else c0_desc
+    c1_desc = GluonDescriptor.from_tensor(c1, block, common.layout(block, c1.dtype)) if c1 is not c0 else c0_desc
     if epi is None:  # placeholders, never read
         pre, dpre, part, weights = c0, c0, c0, c0
         epi_strides = (0, 0, 0, 0, 0)
@@ -569,7 +569,7 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         pre, dpre, part, weights = epi
         epi_strides = (pre.stride(0), dpre.stride(0), part.stride(0), weights.stride(0), weights.stride(1))
     num_n = -(-n_dim // block_n)
-    grid = (min(down_sm90._sm_count(a.device), window.num_tiles * num_n),)
+    grid = (min(common.sm_count(a.device), window.num_tiles * num_n),)
     launch(
         kernel, grid,
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,

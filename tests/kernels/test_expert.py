@@ -19,7 +19,10 @@ import moeblaze_fx
 from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd, reference
 from moeblaze_fx.kernels.expert_bwd import expert_backward
-from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m, table_align
+from moeblaze_fx.kernels.autotune import plan_block_m
+from moeblaze_fx.kernels.expert_fwd import expert_forward
+from moeblaze_fx.kernels.triton import common as tcommon
+from moeblaze_fx.kernels.triton.common import table_align
 from moeblaze_fx.kernels.reference import (
     ExpertParams,
     activation_forward,
@@ -327,7 +330,7 @@ def test_gate_and_up_gradients_in_one_dw_launch_where_adjacent(monkeypatch, layo
         return real(tokens, slots, out, *args)
     monkeypatch.setattr(expert_bwd, "_weight_grad", spy)
     check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
-    windows = expert_fwd.num_slot_windows(37 * 3, window_slots)
+    windows = tcommon.num_slot_windows(37 * 3, window_slots)
     assert len(calls) == DW_LAUNCHES[layout] * windows
     # dW_down [d, h], then dW_gate and dW_up computed transposed: [d, 2h] at once, or [d, h] each
     assert set(calls) == ({(40, 24), (40, 48)} if layout == "hf_fused" else {(40, 24)})
@@ -474,7 +477,7 @@ def test_slot_windows_accumulate_and_fp32_tables(monkeypatch):
 def test_slot_windows_first_tiles_and_bounds():
     # The first tile of each window is the first tile ending after its start, found on the device; every tile
     # meeting a window lies in [tile0, tile0 + num_tiles).
-    from moeblaze_fx.kernels.expert_fwd import slot_windows
+    from moeblaze_fx.kernels.triton.common import slot_windows
     ids = make_case(61, 8, 8, 6, 3, ids_mode="sentinel", seed=12)["ids"]
     plan = dispatch_reference(ids, 6, block_m=plan_block_m())
     bm, offsets = plan_block_m(), plan.offsets.tolist()
@@ -552,11 +555,11 @@ def test_descriptor_eligibility():
     assert not expert_bwd._dw_tma(t[:, 1:]) and not expert_bwd._dw_tma(t.t())  # misaligned base; column stride
     assert not expert_bwd._dw_tma(t[:0])  # no rows: a descriptor's shape must be positive
     cpu = torch.device("cpu")
-    assert expert_fwd.weight_tma_mode([(24, 1), (48, 1)], 16, 4, cpu) == 1  # n contiguous in both tables
-    assert expert_fwd.weight_tma_mode([(1, 24)], 16, 2, cpu) == 2  # k contiguous
-    assert expert_fwd.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
-    assert expert_fwd.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
-    assert expert_fwd.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
+    assert tcommon.weight_tma_mode([(24, 1), (48, 1)], 16, 4, cpu) == 1  # n contiguous in both tables
+    assert tcommon.weight_tma_mode([(1, 24)], 16, 2, cpu) == 2  # k contiguous
+    assert tcommon.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
+    assert tcommon.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
+    assert tcommon.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
 
 
 def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
@@ -564,18 +567,18 @@ def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
     # step's launches are bound by the host).
     asked = []
     monkeypatch.setattr(autotune, "interpreting", lambda: False)
-    monkeypatch.setattr(expert_fwd, "ensure_tma_allocator", lambda: None)
+    monkeypatch.setattr(tcommon, "ensure_tma_allocator", lambda: None)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda i: asked.append(i) or ((9, 0) if i == 0 else (8, 0)))
-    expert_fwd._has_tma.cache_clear()
+    tcommon._has_tma.cache_clear()
     try:
         dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
-        assert [expert_fwd.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
+        assert [tcommon.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
                                                                                             True]
         assert asked == [0, 1]
     finally:
-        expert_fwd._has_tma.cache_clear()
+        tcommon._has_tma.cache_clear()
 
 
 def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
@@ -612,7 +615,7 @@ def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
     monkeypatch.setattr(expert_bwd, "_dw_tma", spy_dw)
     y1, with_tma = run_kernels(case, "recompute", window_slots=25)
     assert {1, 2, 3} <= set(modes), modes  # both weight orientations and the dW operand used descriptors
-    monkeypatch.setattr(expert_fwd, "tma_available", lambda device: False)
+    monkeypatch.setattr(tcommon, "tma_available", lambda device: False)
     monkeypatch.setattr(expert_bwd, "tma_available", lambda device: False)
     modes.clear()
     y2, without = run_kernels(case, "recompute", window_slots=25)

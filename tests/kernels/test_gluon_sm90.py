@@ -17,6 +17,8 @@ import moeblaze_fx
 from moeblaze_fx import config
 from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels import autotune, down_sm90, dw_sm90, expert_bwd, expert_fwd, gather_sm90
+from moeblaze_fx.kernels.sm90 import common as sm90_common
+from moeblaze_fx.kernels.triton import common as tcommon
 from moeblaze_fx.kernels.tables import WeightTable, table_of, table_of_list
 
 from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
@@ -25,21 +27,21 @@ from test_expert import check_against_reference, grad_storage_like, make_case, r
 def test_rows_view_addresses_every_expert():
     w = torch.randn(5, 2 * 24, 40)  # Hugging Face's fused [E, 2h, d]: gate rows, then up rows
     for half in (w[:, :24], w[:, 24:]):
-        flat, e_rows = down_sm90._rows_view(half)
+        flat, e_rows = sm90_common.rows_view(half)
         assert e_rows == 48 and flat.shape == (4 * 48 + 24, 40)
         for e in range(5):
             assert torch.equal(flat[e * e_rows: e * e_rows + 24], half[e])
     dense = torch.randn(3, 7, 16)
-    flat, e_rows = down_sm90._rows_view(dense)
+    flat, e_rows = sm90_common.rows_view(dense)
     assert e_rows == 7 and torch.equal(flat, dense.reshape(21, 16))
 
 
 def test_rows_view_refuses_what_is_not_row_blocks():
     w = torch.randn(4, 8, 16)
-    assert down_sm90._rows_view(w.transpose(1, 2)) is None  # no unit column stride
-    assert down_sm90._rows_view(w[:, :, :15].as_strided((4, 8, 15), (15, 16, 1))) is None  # expert stride 15
-    assert down_sm90._rows_view(w.as_strided((4, 8, 16), (64, 16, 1))) is None  # experts overlap (4 rows apart)
-    assert down_sm90._rows_view(w[:0]) is None
+    assert sm90_common.rows_view(w.transpose(1, 2)) is None  # no unit column stride
+    assert sm90_common.rows_view(w[:, :, :15].as_strided((4, 8, 15), (15, 16, 1))) is None  # expert stride 15
+    assert sm90_common.rows_view(w.as_strided((4, 8, 16), (64, 16, 1))) is None  # experts overlap (4 rows apart)
+    assert sm90_common.rows_view(w[:0]) is None
 
 
 def test_never_taken_on_the_cpu():
@@ -63,14 +65,14 @@ def test_usable_needs_plan_tiles_and_aligned_rows():
 
 def test_gluon_option_is_read_at_every_call():
     # the kernel option in force: the innermost autotune.using block's (the operators'), else config.current()'s
-    assert down_sm90.enabled()
+    assert sm90_common.enabled()
     with moeblaze_fx.patch(kernels={"gluon": False}):
-        assert not down_sm90.enabled()
+        assert not sm90_common.enabled()
         with autotune.using(KernelOptions(gluon=True)):
-            assert down_sm90.enabled()
+            assert sm90_common.enabled()
     with autotune.using(KernelOptions(gluon=False)):
-        assert not down_sm90.enabled()
-    assert down_sm90.enabled()
+        assert not sm90_common.enabled()
+    assert sm90_common.enabled()
 
 
 def test_dw_never_taken_on_the_cpu():
@@ -179,7 +181,7 @@ def _need_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
         major, minor = torch.cuda.get_device_capability()
         pytest.skip(f"the Gluon kernels run on sm_90 only; this device is sm_{major}{minor}")
-    if not down_sm90._GLUON:
+    if not sm90_common.GLUON:
         pytest.skip("this Triton build has no Gluon")
 
 
@@ -243,7 +245,7 @@ def _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, block_n, 
     _several_tiles_a_program(T * K, window_slots, h, block_n)
     case = make_case(T, d, h, E, K, act="swiglu", layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=seed)
-    return case, expert_fwd.num_slot_windows(T * K, window_slots)
+    return case, tcommon.num_slot_windows(T * K, window_slots)
 
 
 def _assert_same_results(first, second, what: str, weights_close: bool = False) -> None:
@@ -312,7 +314,7 @@ def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h,
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 17)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
     _switch(monkeypatch, True)
     _poison()
     launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
@@ -343,7 +345,7 @@ def test_recompute_on_gluon_gives_the_activations_results_cuda(monkeypatch, T, d
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 23)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
     _switch(monkeypatch, True)
     out = []
     for policy in ("recompute", "activations"):
@@ -372,7 +374,7 @@ def test_gluon_dw_accumulates_like_triton_cuda(monkeypatch, window_slots):
         grads = [s.clone() for s in start]
         before = dw_sm90.launches()
         run_kernels(case, "activations", grads=grads, accumulate=True, window_slots=window_slots)
-        assert dw_sm90.launches() - before == (2 * expert_fwd.num_slot_windows(4000, window_slots) if on else 0)
+        assert dw_sm90.launches() - before == (2 * tcommon.num_slot_windows(4000, window_slots) if on else 0)
         out.append(grads)
     assert all(torch.equal(a, b) for a, b in zip(*out))
     assert not all(torch.equal(a, b) for a, b in zip(out[0], start)), "nothing was accumulated"
@@ -389,7 +391,7 @@ def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_
     _need_sm90()
     case = make_case(900, 256, 256, 8, 2, act="swiglu", layout=layout, device="cuda", dtype=torch.bfloat16,
                      ids_mode="empty_expert", seed=17)
-    windows = expert_fwd.num_slot_windows(1800, window_slots)
+    windows = tcommon.num_slot_windows(1800, window_slots)
     out = []
     for on in (True, False):
         launches, stores = dw_sm90.launches(), dw_sm90.store_launches()

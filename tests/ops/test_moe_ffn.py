@@ -171,7 +171,7 @@ def triton_path(monkeypatch):
 def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
     """The forward's dispatch plan (the index structures) is saved and the backward dispatches nothing: one plan a
     step; the saved bytes are x, ids, weights, the plan and, under "activations", the pre-activations."""
-    from moeblaze_fx.kernels import expert_fwd
+    from moeblaze_fx.kernels import autotune
     from moeblaze_fx.kernels.reference import max_tiles
     from moeblaze_fx.passes import saved_bytes_after
 
@@ -180,7 +180,7 @@ def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
     y = []
     saved = _saved(lambda: y.append(moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint)))
     assert len(triton_path) == 1
-    n_tiles = max_tiles(T * K, E, expert_fwd.plan_block_m())
+    n_tiles = max_tiles(T * K, E, autotune.plan_block_m())
     plan_shapes = [(E + 1,), (T * K,), (T * K,), (n_tiles,), (n_tiles,)]
     assert sorted(s for s, dtype, _ in saved if dtype == torch.int32) == sorted(plan_shapes)
     activation_bytes = sum(n for s, _, n in saved if s not in ((E, 2 * h, d), (E, d, h)))
@@ -188,7 +188,7 @@ def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
         (T * K * 2 * h * 4 if checkpoint == "activations" else 0)
     assert activation_bytes == expected
     # the compile report's "after" column states the same bytes
-    assert saved_bytes_after(T, d, h, K, 4, 8, 4, checkpoint, True, E, expert_fwd.plan_block_m()) == expected
+    assert saved_bytes_after(T, d, h, K, 4, 8, 4, checkpoint, True, E, autotune.plan_block_m()) == expected
     g = torch.randn(T, d, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(y[0], (x, w, wgu, wd), g)
     assert len(triton_path) == 1  # the backward used the saved plan
