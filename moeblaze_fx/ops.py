@@ -190,15 +190,15 @@ def _check_ids_range(ids: Tensor) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
-    """(dispatch, expert_fwd, expert_bwd, tables, autotune, triton.common) modules, or None where Triton or the
-    kernels are missing."""
+    """(dispatch, forward, backward, tables, autotune, triton.common) modules, or None where Triton or the kernels
+    are missing."""
     try:
-        from .kernels import autotune, dispatch, expert_bwd, expert_fwd, tables
+        from .kernels import autotune, backward, dispatch, forward, tables
         from .kernels.triton import common
     except ImportError as exc:
         log.debug("moeblaze: Triton kernels unavailable (%s); using the PyTorch implementation", exc)
         return None
-    return dispatch, expert_fwd, expert_bwd, tables, autotune, common
+    return dispatch, forward, backward, tables, autotune, common
 
 
 def _use_triton(x: Tensor) -> bool:

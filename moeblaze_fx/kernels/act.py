@@ -1,5 +1,5 @@
-"""The expert activations' elementwise arithmetic, in fp32, shared by the Triton kernels (``expert_fwd``,
-``expert_bwd``) and the Gluon ones (``gather_sm90``, which call these functions from their epilogues): one copy, so
+"""The expert activations' elementwise arithmetic, in fp32, shared by the Triton kernels (``triton.up``,
+``triton.dh``) and the Gluon ones (``sm90.gather``, which call these functions from their epilogues): one copy, so
 the two compute each H, dL/dA and dL/dB with the same operations and give bitwise the same results.
 
 ``ACT`` is a constexpr, one of :data:`ACT_CODES`' values. Clamps keep NaN (Triton's plain minimum and maximum return

@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeblaze_fx.kernels import autotune, expert_bwd
-from moeblaze_fx.kernels.expert_bwd import expert_backward
+from moeblaze_fx.kernels import autotune
+from moeblaze_fx.kernels.backward import expert_backward
 from moeblaze_fx.kernels.autotune import plan_block_m
-from moeblaze_fx.kernels.expert_fwd import expert_forward
+from moeblaze_fx.kernels.forward import expert_forward
 from moeblaze_fx.kernels.triton import common as tcommon
+from moeblaze_fx.kernels.triton import dh as tdh
+from moeblaze_fx.kernels.triton import dw as tdw
 from moeblaze_fx.kernels.reference import ExpertParams, dispatch_reference, moe_ffn_reference, parse_activation
 from moeblaze_fx.kernels.tables import ExpertTables, interleaved_gate_up, table_of
 from moeblaze_fx.layout import RoleView, encode_layout
@@ -169,7 +171,7 @@ def test_interleaved_through_pointers(monkeypatch, case_index, policy):
     # Without tensor descriptors (devices before sm_90, a base or row stride that is not 16-byte aligned): the
     # interleaved tiles through pointer loads, ragged (masked, wrapped columns) and even.
     monkeypatch.setattr(tcommon, "tma_available", lambda device: False)
-    monkeypatch.setattr(expert_bwd, "tma_available", lambda device: False)
+    monkeypatch.setattr(tdw, "tma_available", lambda device: False)
     seen = _interleaved_flags(monkeypatch)
     T, d, h, E, K, ids_mode, window_slots = CASES[case_index]
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K + 1)
@@ -191,7 +193,7 @@ def test_interleaved_wide_tiles_past_a_descriptor_block(policy):
 def test_interleaved_recompute_inside_dh_when_not_split(monkeypatch):
     # DH_SPLIT = False (one fused dh launch, kept for comparisons): "recompute" keeps the dh kernel's own
     # recomputation of A|B, through the strided gate and up tables; still every gradient as the reference's.
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
+    monkeypatch.setattr(tdh, "DH_SPLIT", False)
     seen = _interleaved_flags(monkeypatch)
     case = make_case(37, 40, 24, 5, 4, ids_mode="empty_expert", seed=11)
     check(case, "recompute", tol=1e-5, window_slots=41)
@@ -224,7 +226,7 @@ def test_interleaved_detection():
     assert not interleaved_gate_up(table_of(fused[:, :, :8].transpose(1, 2)), table_of(fused[:, :, 8:].transpose(1, 2)))
     wide = torch.zeros(4, 16, 2 * 8 + 4)[:, :, :16].transpose(1, 2)  # rows padded to 20: still one [2h, d] each
     assert interleaved_gate_up(table_of(wide[:, 0::2]), table_of(wide[:, 1::2]))
-    g = expert_bwd._interleaved_grad_table(gate, up)
+    g = tdw.interleaved_grad_table(gate, up)
     assert (g.rows, g.cols, g.stride_r, g.stride_c) == (16, 16, 16, 1) and torch.equal(g.ptrs, gate.ptrs)
 
 

@@ -1,14 +1,14 @@
 """The gathering GEMMs for sm_90 (Hopper) in Gluon: the up projection and dh's GEMM, persistent and
-warp-specialized, the structure of :mod:`.down_sm90` with a producer that gathers token rows.
+warp-specialized, the structure of :mod:`.down` with a producer that gathers token rows.
 
 Both multiply rows gathered through the token index by one expert's weights, tile by tile over a slot window's row
 tiles (the plan's 128-slot tiles):
 
-* the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
+* the forward up projection (``triton.up._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
   its clamped and soft-capped forms and the GeGLUs, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded
   to x's dtype; the epilogue stores A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed
   from the rounded values;
-* the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
+* the GEMM of the backward's dh (``triton.dh._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
 * the same GEMM with the activation's backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``,
   where A|B are kept and h % 16 == 0): the rounded dH' stays in shared memory, and the next tile's K loop computes
@@ -24,12 +24,12 @@ tests compare them. One exception: the fused dh sums each row's 64 products of <
 which can round differently from the Triton epilogue's where h % 64 != 0 (that kernel then loads through wrapped
 columns, and Triton lays its tile out otherwise).
 
-One program per SM walks the output tiles in the Triton kernels' grouped order (``down_sm90._tile``):
+One program per SM walks the output tiles in the Triton kernels' grouped order (``common.tile``):
 
 * one producer warpgroup fills two rings of shared buffers: ``A_STAGES`` of the tile's 128 token rows, 64 columns a
   step, gathered with cp.async (the token indices loaded once a tile; rows outside the tile's own read a row it owns),
   and ``B_STAGES`` of the weight tiles through TMA over 2-D descriptors of the tables' storage
-  (``down_sm90.weights``' views). A step's rows are issued as soon as their stage is free, before the producer waits
+  (``down.weights``' views). A step's rows are issued as soon as their stage is free, before the producer waits
   for the weights' stage, so the gather runs one step further ahead than the TMA copies. Each producer thread
   arrives on the A stage's barrier when its copies land, the TMA copies complete the B stage's;
 * the default partition (8 warps, two warpgroups of 64 rows) multiplies into one 128 x 256 fp32 accumulator: for
@@ -44,7 +44,7 @@ One program per SM walks the output tiles in the Triton kernels' grouped order (
 :func:`up_usable`, :func:`dh_usable` and :func:`dh_act_usable` say when a launch qualifies; everything else takes
 the Triton kernels (dh where the fused kernel does not apply: its GEMM here, its epilogue as a Triton launch).
 Gluon has no interpreter, so the CPU tests cannot run these kernels. The kernel option ``gluon=False``
-(``config.KernelOptions``) turns them off (``down_sm90.enabled``).
+(``config.KernelOptions``) turns them off (``common.enabled``).
 """
 from __future__ import annotations
 
@@ -52,16 +52,16 @@ from typing import NamedTuple
 
 import torch
 
-from . import act as act_math
-from .launch import launch, sized
-from .reference import GATED_ACTIVATIONS
-from .sm90 import common
-from .sm90.common import GLUON
+from .. import act as act_math
+from ..launch import launch, sized
+from ..reference import GATED_ACTIVATIONS
+from . import common
+from .common import GLUON
 
 if GLUON:  # the Gluon names as common imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from .sm90.common import (
+    from .common import (
         GluonDescriptor,
         fence_async_shared,
         gl,
@@ -203,7 +203,7 @@ if GLUON:
     def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, ab_smem, p,
                       NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
         """The activation's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
-        ``expert_bwd._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
+        ``triton.dh._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
         below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``ab_smem``
         buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (zeros past ``n_dim``, whose columns
         are masked anyway); ``w_blocks``: the tile's routing weights (fp32) by row block."""
@@ -388,7 +388,7 @@ if GLUON:
         c0_ptr, c1_ptr,  # the same buffers, for ragged tiles
         token_index_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
         num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim,
-        K: gl.constexpr,  # a compile-time constant, as in dw_sm90 (a runtime division costs dozens of instructions)
+        K: gl.constexpr,  # a compile-time constant, as in dw (a runtime division costs dozens of instructions)
         stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
         pre_ptr, dpre_ptr, part_ptr, weights_ptr,  # ACT_EPI: A|B, dA|dB [.., 2n], partials, routing weights
         stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k,
@@ -519,8 +519,8 @@ def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeigh
 
 def up_weights(gate, up, kmajor: bool, d: int) -> GatherWeights | None:
     """The up kernel's view of W_gate and W_up, given as the ``[E, d, h]`` (``kmajor`` False) or ``[E, h, d]``
-    (``kmajor`` True) views over which ``expert_fwd`` builds descriptors (unit last stride, 16-byte aligned base
-    and strides: ``expert_fwd.weight_tma_mode``). None when this kernel cannot take them: Gluon missing or switched
+    (``kmajor`` True) views over which ``triton.common`` builds descriptors (unit last stride, 16-byte aligned base
+    and strides: ``triton.common.weight_tma_mode``). None when this kernel cannot take them: Gluon missing or switched
     off, not an sm_90 device, not 16-bit, d % 64, or experts that are not row blocks of one view."""
     if gate is None or up is None:
         return None
@@ -618,7 +618,7 @@ def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: t
 def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hw: torch.Tensor,
                 pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor, act) -> None:
     """dh's GEMM and its activation's epilogue in one launch (:func:`dh_act_usable` true), the results of the split's
-    two launches (``expert_bwd._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
+    two launches (``triton.dh._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
     ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N + 1]``, by
     slot); ``pre`` is the saved A|B from the window's first slot."""
     _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, act, (pre, dpre, part, weights))

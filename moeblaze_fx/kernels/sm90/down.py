@@ -1,6 +1,6 @@
 """The down kernel for sm_90 (Hopper) in Gluon: persistent and warp-specialized, both operands through TMA.
 
-Same contract as ``expert_fwd._expert_down_kernel`` for one slot window: for every routed slot of the window,
+Same contract as ``triton.down._expert_down_kernel`` for one slot window: for every routed slot of the window,
 ``out[slot] = a[slot, :k] @ B0[e] (+ a[slot, k:2k] @ B1[e]) (+ bias[e])``; forward Y = H @ W_down[e].T, backward
 dX = dA @ W_gate[e] + dB @ W_up[e]. The two kernels compute each output element with the same tile (128 x 256),
 the same 64-wide contraction steps in the same order and the same fp32 bias add, so their outputs are bitwise
@@ -35,12 +35,12 @@ from typing import NamedTuple
 
 import torch
 
-from .launch import launch, sized
-from .sm90 import common
-from .sm90.common import GLUON
+from ..launch import launch, sized
+from . import common
+from .common import GLUON
 
 if GLUON:  # the Gluon names as common imported them
-    from .sm90.common import (
+    from .common import (
         GluonDescriptor,
         fence_async_shared,
         gl,
@@ -207,7 +207,7 @@ class Sm90Weights(NamedTuple):
 def weights(b0: torch.Tensor, b1: torch.Tensor | None, kmajor: bool, k_dim: int) -> Sm90Weights | None:
     """This kernel's view of B0 (and B1 for dX), given as the ``[E, k, n]`` (``kmajor`` False) or ``[E, n, k]``
     (``kmajor`` True) views over which the host's tensor descriptors were built (unit last stride, 16-byte aligned
-    base and strides: ``expert_fwd.weight_tma_mode``). None when the kernel cannot take them: Gluon missing or
+    base and strides: ``triton.common.weight_tma_mode``). None when the kernel cannot take them: Gluon missing or
     switched off, not an sm_90 device, not 16-bit, two tables with k contiguous, k % 64 with n contiguous, or
     experts that are not row blocks of one view."""
     if not (GLUON and common.enabled() and b0.is_cuda and common.is_sm90(b0.device)):
@@ -229,7 +229,7 @@ def usable(a: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
 
 def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out: torch.Tensor,
               bias: torch.Tensor | None, window) -> torch.Tensor:
-    """``expert_fwd.down_project`` through this kernel (``w`` from :func:`weights`, ``usable(a, out, ..)`` true)."""
+    """``triton.down.down_project`` through this kernel (``w`` from :func:`weights`, ``usable(a, out, ..)`` true)."""
     a_view = a[:, :2 * k_dim] if w.two_b else a[:, :k_dim]  # columns past the view read as zeros
     a_desc = GluonDescriptor.from_tensor(a_view, [BLOCK_M, BLOCK_K], common.layout([BLOCK_M, BLOCK_K], a.dtype))
     c_desc = GluonDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], common.layout([BLOCK_M, BLOCK_N], out.dtype))

@@ -1,7 +1,7 @@
 """The weight-gradient kernel for sm_90 (Hopper) in Gluon: persistent and warp-specialized, the down kernel's structure
-(:mod:`.down_sm90`) with a gathering producer.
+(:mod:`.down`) with a gathering producer.
 
-Same contract as ``expert_bwd._expert_dw_kernel`` for 16-bit operands and a 16-bit output: for one slot window,
+Same contract as ``triton.dw._expert_dw_kernel`` for 16-bit operands and a 16-bit output: for one slot window,
 ``dW[e] (+)= sum over e's slots s in the window of a[token(s)].T @ b[s - slot0]``, written through a table. An expert
 whose slots start in this window (or one with no slots that is this window's to write) gets the contribution (zeros
 when it has no slots here); one whose slots started in an earlier window, or every expert with slots when
@@ -31,20 +31,20 @@ those copies land under the A stage's barrier.
 H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 6-7 % at D, 1-3 % at A
 (docs/dw.md). :func:`usable` says when a launch qualifies; everything else takes the
 Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. The kernel option ``gluon=False``
-turns it off (``down_sm90.enabled``).
+turns it off (``common.enabled``).
 """
 from __future__ import annotations
 
 import torch
 
-from .launch import launch, sized
-from .sm90 import common
-from .sm90.common import GLUON
+from ..launch import launch, sized
+from . import common
+from .common import GLUON
 
 if GLUON:  # the Gluon names as common imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from .sm90.common import (
+    from .common import (
         GluonDescriptor,
         fence_async_shared,
         gl,
@@ -59,7 +59,7 @@ __all__ = ["usable", "dw_sm90", "launches", "store_launches"]
 
 TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
 # a's 16 KB and b's 32 KB stages: with the 64 KB output tile, 224 KB of shared memory (a fourth stage of the
-# gathered operand, as in gather_sm90)
+# gathered operand, as in gather)
 A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8
 _PRODUCER_REGS = 96
@@ -307,7 +307,7 @@ def _store_desc(out):
 
 def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumulate: bool,
             window: tuple[int, int, int]) -> None:
-    """``expert_bwd._weight_grad`` through this kernel (:func:`usable` true)."""
+    """``triton.dw.weight_grad`` through this kernel (:func:`usable` true)."""
     slot0, slot1, own_end = window
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     layout = common.layout([TILE[2], TILE[1]], slots.dtype)
