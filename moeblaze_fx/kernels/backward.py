@@ -45,7 +45,8 @@ window (see ``triton.common.SlotWindow``): the transients hold the window's rows
 over the part of each expert's slots inside the window, writing the experts whose slots start there and
 adding onto those that started earlier; dx and the bias gradients add up across windows.
 
-On sm_90 the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.sm90.dw` when the
+On sm_90 (the call's plan decides, :func:`.plan.backward_plan`, once per call and per window where the window's
+buffers matter) the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.sm90.dw` when the
 shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
 Likewise dh's GEMM (the split's first launch) goes to the gathering kernel of :mod:`.sm90.gather` when d % 64 == 0
 and W_down is row blocks of one tensor; for a gated activation of ``sm90.gather.ACTIVATIONS`` with h % 16 == 0 both
@@ -67,36 +68,29 @@ import torch
 import triton
 from torch import Tensor
 
-from .autotune import dweights_chunk, plan_block_m
-from .forward import up_sm90_weights
+from .autotune import dweights_chunk
+from .plan import BackwardPlan, backward_plan
 from .reference import Activation, DispatchPlan
+from .sm90 import dw as sm90_dw
 from .sm90 import gather as sm90_gather
-from .tables import ExpertTables, interleaved_gate_up
+from .tables import ExpertTables, WeightTable
 from .triton import dh as tdh
 from .triton import dw as tdw
 from .triton import up as tup
 from .triton.combine import combine
-from .triton.common import check_expert_inputs, check_table, desc_view, slot_windows, table_align, weight_tma_mode
-from .triton.down import down_operand, down_project
+from .triton.common import check_expert_inputs, check_table
 
 __all__ = ["expert_backward", "check_grad_tables", "PHASE_ROLES"]
 
 
-def _dh_sm90_weights(w: ExpertTables, d: int, x: Tensor) -> "sm90_gather.GatherWeights | None":
-    """The Gluon kernel's view of W_down for dh's GEMM (B[e][k, n] = W_down[e][k, n]), or None where it cannot
-    take it (see :func:`.sm90.gather.dh_weights`)."""
-    mode = weight_tma_mode([(w.down.stride_r, w.down.stride_c)], table_align(w.down), x.element_size(), x.device)
-    if not (x.is_cuda and mode):
-        return None
-    return sm90_gather.dh_weights(desc_view(w.down, True, mode), mode == 2, d)
-
-
-def _recompute_on_gluon(grad_y: Tensor, x: Tensor, hw: Tensor, dpre: Tensor, weights: Tensor, act: Activation,
-                        biased: bool, chunk: int) -> bool:
-    """Whether a "recompute" window may run the Gluon up kernel into dpre and the fused dh in place over it."""
-    bm = plan_block_m()
-    return (sm90_gather.up_usable(x, hw, dpre, act.name, biased, bm)
-            and sm90_gather.dh_act_usable(grad_y, hw, dpre, dpre, weights, act.name, chunk, bm))
+def _weight_grad(bp: BackwardPlan, tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
+                 accumulate: bool, window: tuple[int, int, int], interleaved: bool = False) -> None:
+    """:func:`.triton.dw.weight_grad` on the backend the plan picks (:meth:`.plan.BackwardPlan.dw_on_sm90`)."""
+    if out.ptrs.numel() == 0 or out.rows == 0 or out.cols == 0:
+        return
+    if bp.dw_on_sm90(tokens, slots, out, interleaved):
+        return sm90_dw.dw_sm90(tokens, slots, out, plan, K, accumulate, window)  # sm_90: Gluon (bitwise the same)
+    tdw.weight_grad(tokens, slots, out, plan, K, accumulate, window, interleaved)
 
 
 def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor, roles=("gate", "up", "down")) -> None:
@@ -193,22 +187,12 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     d_up_bias = torch.zeros((E, h), dtype=torch.float32, device=x.device) if up_bias is not None and dw_phase \
         else None
 
-    windows = slot_windows(plan, window_slots)
+    bp = backward_plan(x, w, plan, d, h, window_slots, recompute, gate_bias is not None or up_bias is not None,
+                       act_phase, dx_phase)
+    windows = bp.windows
     if phase != "all" and len(windows) != 1:
         raise ValueError(f"phase {phase!r} runs one window: window_slots must be 0 or at least T*K = {N}, got "
                          f"{window_slots}")
-    # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]
-    w_dx = down_operand(w.gate, w.up, True, h, x) if dx_phase else None
-    dh_sm90 = _dh_sm90_weights(w, d, x) if tdh.DH_SPLIT and act_phase else None
-    # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see the module doc)
-    up_sm90 = up_sm90_weights(w, d, tup.up_weight_mode(w, x)[1], x) if recompute and dh_sm90 is not None else None
-    biased = gate_bias is not None or up_bias is not None
-    # "recompute" with interleaved gate/up weights (gpt-oss): the dh kernel's own recomputation would read them with
-    # a 2-element stride (element-wise gathers); instead the forward's interleaved up kernel computes the window's
-    # A|B again into the dA|dB buffer and dh runs as under "activations", in place over it (as the Gluon path above
-    # does: each A|B element read before it is written, by the program that writes it). Only split: the epilogue
-    # launch (dh_act) has one configuration, never re-run by the tuner over its own output.
-    recompute_up = recompute and tdh.DH_SPLIT and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
 
     def grad_tables():  # (the gradient tables, dW_gate|up in one launch, likewise interleaved (gpt-oss's)), made once
         nonlocal grads, made
@@ -233,44 +217,27 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             hw = x.new_empty((n, h))
         if busy and act_phase:
             pre = dpre if recompute else preact[s0:]  # placeholder pointer when recomputing, never read
-
-            if up_sm90 is not None and _recompute_on_gluon(grad_y, x, hw, dpre, weights, act, biased, chunk):
-                # A|B into the dA|dB buffer (H into hw, which the fused dh overwrites with w*H), exactly as the
-                # forward computed them; the fused dh then reads each A|B element before it writes its dA|dB there
-                sm90_gather.up_sm90(x, up_sm90, plan, K, d, h, win, hw, dpre, act)
-                sm90_gather.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, dpre, dpre, part[bias_rows:],
-                                        weights, act)
-                phases = []
-            elif recompute_up:
-                tup.up_project(x, w, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True,
-                               *tup.up_weight_mode(w, x))
-                phases = [("dh_gemm", 1), ("dh_act", 2)]
-            elif recompute:
-                phases = [("dh_recompute", 0)]
-            elif tdh.DH_SPLIT:
-                phases = [("dh_gemm", 1), ("dh_act", 2)]
-            else:
-                phases = [("dh", 0)]
-            in_dh = recompute and not recompute_up  # A|B recomputed inside the dh kernel
-            for kind, dh_phase in phases:
-                if dh_phase == 1 and dh_sm90 is not None and sm90_gather.dh_usable(grad_y, hw, plan_block_m()):
-                    if sm90_gather.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
-                        # both phases in one launch: the same dA|dB and w*H, bitwise
-                        sm90_gather.dh_act_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw, pre, dpre,
-                                                part[bias_rows:], weights, act)
-                        break
-                    sm90_gather.dh_sm90(grad_y, dh_sm90, plan, K, d, h, win, hw)  # the same dH', bitwise
-                    continue
-                tdh.dh_launch(kind, dh_phase, grad_y, x, w, gate_bias, up_bias, weights, pre, dpre, hw,
-                              part[bias_rows:], plan, win, d, h, K, act, chunk, in_dh)
+            for unit, kind, dh_phase in bp.dh_launches(grad_y, x, hw, pre, dpre, weights, act, chunk):
+                if unit == "sm90.up":  # A|B into the dA|dB buffer, H into hw (see BackwardPlan.dh_launches)
+                    sm90_gather.up_sm90(x, bp.up_sm90, plan, K, d, h, win, hw, dpre, act)
+                elif unit == "triton.up":
+                    tup.up_project(x, w, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True, *bp.up_mode)
+                elif unit == "sm90.dh_act":
+                    sm90_gather.dh_act_sm90(grad_y, bp.dh_sm90, plan, K, d, h, win, hw, pre, dpre, part[bias_rows:],
+                                            weights, act)
+                elif unit == "sm90.dh":
+                    sm90_gather.dh_sm90(grad_y, bp.dh_sm90, plan, K, d, h, win, hw)
+                else:
+                    tdh.dh_launch(kind, dh_phase, grad_y, x, w, gate_bias, up_bias, weights, pre, dpre, hw,
+                                  part[bias_rows:], plan, win, d, h, K, act, chunk, bp.dh_recomputes)
             del pre  # may alias dpre: it must not outlive the window
         if act_phase:
             if not skip:
-                tdw.weight_grad(grad_y, hw, grad_tables()[0].down, plan, K, accumulate, dw_window)  # [E, d, h]
+                _weight_grad(bp, grad_y, hw, grad_tables()[0].down, plan, K, accumulate, dw_window)  # [E, d, h]
             del hw
         if busy and dx_phase:  # dX, combined into dx at once: its slots are freed before dW_gate|up
             dx_slots = x.new_empty((n, d))
-            down_project(dpre, h, w_dx, d, plan, dx_slots, None, win)
+            bp.dx.project(dpre, h, d, plan, dx_slots, None, win)
             combine(dx_slots, None, plan, T, K, dx, (s0, s1), accumulate=i > 0)
             del dx_slots
         if not dw_phase:  # "act" or "dx": one window
@@ -278,17 +245,14 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         if not skip:
             grads, grads_gate_up, grads_interleaved = grad_tables()
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
-            # On a GPU the interleaved dW runs only where dA|dB's rows take a descriptor: its pointer form crashes
-            # Triton 3.6's TritonGPUOptimizeDotOperands pass on sm_90 (h = 90, H100, 2026-11-27); the interpreter
-            # runs that form (the CPU tests' path), and elsewhere gate and up take the strided launches below.
-            if grads_interleaved is not None and (tdw.dw_tma(dpre) or not dpre.is_cuda):
-                tdw.weight_grad(x, dpre, grads_interleaved, plan, K, accumulate, dw_window, True)  # interleaved
+            if grads_interleaved is not None and bp.dw_interleaved(dpre):
+                _weight_grad(bp, x, dpre, grads_interleaved, plan, K, accumulate, dw_window, True)  # interleaved
             elif grads_gate_up is not None:
-                tdw.weight_grad(x, dpre, tdw.transposed(grads_gate_up), plan, K, accumulate, dw_window)
+                _weight_grad(bp, x, dpre, tdw.transposed(grads_gate_up), plan, K, accumulate, dw_window)
             else:
-                tdw.weight_grad(x, dpre[:, :h], tdw.transposed(grads.gate), plan, K, accumulate, dw_window)
+                _weight_grad(bp, x, dpre[:, :h], tdw.transposed(grads.gate), plan, K, accumulate, dw_window)
                 if act.gated:
-                    tdw.weight_grad(x, dpre[:, h:], tdw.transposed(grads.up), plan, K, accumulate, dw_window)
+                    _weight_grad(bp, x, dpre[:, h:], tdw.transposed(grads.up), plan, K, accumulate, dw_window)
         if gate_bias is not None:
             d_gate_bias += tdw.bias_grad(dpre[:, :h], False, None, plan, K, E, window=(s0, s1))
         if up_bias is not None:

@@ -32,9 +32,9 @@ No gathered [N, d] copy of x is ever built; the transients H and Y are freed whe
 returns. With ``window_slots`` the three launches run once per *slot window*
 (:class:`.triton.common.SlotWindow`, a range of the expert-sorted slots), H and Y holding only the window's rows and
 the combine adding each window's pairs onto y (:func:`.triton.combine.combine`: a window of fewer slots than T runs
-over its own slots, touching only their tokens' rows). Saved for backward (by the caller): x, the plan, the routing weights and, under the
-"activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs with the same
-configuration are bitwise identical.
+over its own slots, touching only their tokens' rows). Saved for backward (by the caller): x, the plan, the routing
+weights and, under the "activations" policy, preact (biases included). Nothing is reduced with atomics, so two runs
+with the same configuration are bitwise identical.
 
 Row tiles come from the plan: ``tile_expert[i]`` / ``tile_start[i]`` describe ``plan_block_m()`` rows
 of one expert; a tile may be ragged (masked against ``offsets[e+1]``), tiles past the last one hold
@@ -57,12 +57,12 @@ terms, so the stored results of the two paths are bitwise equal. Pointer loads r
 cannot describe (a stride or base that is not 16-byte aligned: odd widths, offsets into a parameter) and devices
 before sm_90.
 
-On sm_90, :func:`.triton.down.down_project` hands its launches to the Gluon kernel of :mod:`.sm90.down` (persistent,
-warp-specialized, both operands through TMA; bitwise equal results) when the weights are row blocks of one
-tensor and the window's rows are 16-byte aligned. The gated up projection without biases goes to
-:mod:`.sm90.gather` (the same structure with a producer that gathers x's rows; bitwise equal results) when
-d % 64 == 0 and the weights are row blocks of one tensor. The kernel option ``gluon=False``
-(``config.KernelOptions``) keeps the Triton kernels.
+On sm_90 the call's plan (:func:`.plan.forward_plan`, decided once before the first launch) hands the down
+projection's launches to the Gluon kernel of :mod:`.sm90.down` (persistent, warp-specialized, both operands through
+TMA; bitwise equal results) when the weights are row blocks of one tensor and the window's rows are 16-byte aligned.
+The gated up projection without biases goes to :mod:`.sm90.gather` (the same structure with a producer that gathers
+x's rows; bitwise equal results) when d % 64 == 0 and the weights are row blocks of one tensor. The kernel option
+``gluon=False`` (``config.KernelOptions``) keeps the Triton kernels.
 
 Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0::2, up = 1::2;
 :func:`.tables.interleaved_gate_up` decides from the tables): each role alone is strided by 2 along h, which only
@@ -80,16 +80,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .autotune import plan_block_m
+from .plan import forward_plan
 from .reference import Activation, DispatchPlan
 from .sm90 import gather as sm90_gather
-from .tables import ExpertTables, interleaved_gate_up
+from .tables import ExpertTables
 from .triton import up as tup
 from .triton.combine import combine
-from .triton.common import check_expert_inputs, desc_view, slot_windows
-from .triton.down import down_operand, down_project
+from .triton.common import check_expert_inputs
 
-__all__ = ["expert_forward", "up_sm90_weights"]
+__all__ = ["expert_forward"]
 
 
 def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPlan,
@@ -120,33 +119,22 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
         return out.zero_(), preact
     if h == 0 and down_bias is None:  # every expert maps to zero
         return out.zero_(), preact
-    align, w_tma = tup.up_weight_mode(w, x)
-    up_sm90 = up_sm90_weights(w, d, w_tma, x)
-    biased = gate_bias is not None or up_bias is not None
-    w_down = down_operand(w.down, None, False, h, x)  # Y = H @ W_down[e].T: B[e][k, n] = W_down[e][n, k]
-    for i, win in enumerate(slot_windows(plan, window_slots)):
+    fp = forward_plan(x, w, plan, d, h, gate_bias is not None or up_bias is not None, window_slots)
+    for i, win in enumerate(fp.windows):
         n = win.slot1 - win.slot0
         hid = x.new_empty((n, h))  # transient: the window's H
         if h > 0:
             pre = preact[win.slot0:] if save_preact else hid  # placeholder pointer when not saving, never written
-            if up_sm90 is not None and sm90_gather.up_usable(x, hid, pre if save_preact else None, act.name, biased,
-                                                             plan_block_m()):
-                sm90_gather.up_sm90(x, up_sm90, plan, K, d, h, win, hid, pre if save_preact else None, act)
+            if fp.up.on_sm90(x, hid, pre if save_preact else None, act):
+                sm90_gather.up_sm90(x, fp.up.sm90, plan, K, d, h, win, hid, pre if save_preact else None, act)
             else:
-                tup.up_project(x, w, gate_bias, up_bias, hid, pre, plan, win, d, h, K, act, save_preact, align, w_tma)
+                tup.up_project(x, w, gate_bias, up_bias, hid, pre, plan, win, d, h, K, act, save_preact, fp.up.align,
+                               fp.up.w_tma)
             del pre  # may alias hid: it must not outlive the window
         y_slots = x.new_empty((n, d))  # transient: the window's Y
         # Y = H @ W_down[e].T (+ b_down[e])
-        down_project(hid, h, w_down, d, plan, y_slots, down_bias, win)
+        fp.down.project(hid, h, d, plan, y_slots, down_bias, win)
         del hid
         combine(y_slots, weights, plan, T, K, out, (win.slot0, win.slot1), accumulate=i > 0)
         del y_slots
     return out, preact
-
-
-def up_sm90_weights(w: ExpertTables, d: int, mode: int, x: Tensor) -> "sm90_gather.GatherWeights | None":
-    """The Gluon up kernel's view of W_gate and W_up (B[e][k, n] = W[e][n, k]), or None where it cannot take
-    them (see :func:`.sm90.gather.up_weights`; ``mode`` from :func:`.triton.up.up_weight_mode`)."""
-    if not (x.is_cuda and mode and w.up is not None) or interleaved_gate_up(w.gate, w.up):
-        return None  # (the Gluon kernel reads two [h, d] matrices, not one interleaved [2h, d])
-    return sm90_gather.up_weights(desc_view(w.gate, False, mode), desc_view(w.up, False, mode), mode == 2, d)

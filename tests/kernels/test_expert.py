@@ -329,12 +329,12 @@ DW_LAUNCHES = {"hf_fused": 2, "interleaved": 3, "dense": 3, "transposed": 3, "li
 def test_gate_and_up_gradients_in_one_dw_launch_where_adjacent(monkeypatch, layout, window_slots):
     case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout=layout, ids_mode="empty_expert", seed=13)
     calls = []
-    real = tdw.weight_grad
+    real = backward._weight_grad
 
-    def spy(tokens, slots, out, *args):
+    def spy(bp, tokens, slots, out, *args):
         calls.append((out.rows, out.cols))
-        return real(tokens, slots, out, *args)
-    monkeypatch.setattr(tdw, "weight_grad", spy)
+        return real(bp, tokens, slots, out, *args)
+    monkeypatch.setattr(backward, "_weight_grad", spy)
     check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
     windows = tcommon.num_slot_windows(37 * 3, window_slots)
     assert len(calls) == DW_LAUNCHES[layout] * windows
@@ -376,7 +376,7 @@ def test_act_dx_dw_phases_together_equal_all(layout, act, dtype):
     dw_out = expert_backward(None, x, weights, w, preact, plan, a, *biases, grads=dw_t, recompute=False, phase="dw",
                              dpre=dpre)
     assert backward.PHASE_ROLES == {"all": ("gate", "up", "down"), "act": ("down",), "dx": (),
-                                      "dw": ("gate", "up")}
+                                    "dw": ("gate", "up")}
     assert (no_gate_bias, no_up_bias) == (None, None) and dx_out[1:] == (None, None, None, None)
     assert dw_out[0] is None and dw_out[1] is None and dw_out[4] is None
     for got, want in [(dx_out[0], whole[0]), (dweights, whole[1]), (dw_out[2], whole[2]), (d_down_bias, whole[4]),
@@ -581,7 +581,7 @@ def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
     try:
         dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
         assert [tcommon.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
-                                                                                            True]
+                                                                                          True]
         assert asked == [0, 1]
     finally:
         tcommon._has_tma.cache_clear()

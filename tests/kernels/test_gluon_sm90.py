@@ -17,12 +17,12 @@ import moeblaze_fx
 from moeblaze_fx import config
 from moeblaze_fx.config import KernelOptions
 from moeblaze_fx.kernels import autotune
+from moeblaze_fx.kernels.plan import down_unit
 from moeblaze_fx.kernels.sm90 import common as sm90_common
 from moeblaze_fx.kernels.sm90 import down as sm90_down
 from moeblaze_fx.kernels.sm90 import dw as sm90_dw
 from moeblaze_fx.kernels.sm90 import gather as sm90_gather
 from moeblaze_fx.kernels.triton import common as tcommon
-from moeblaze_fx.kernels.triton import down as tdown
 from moeblaze_fx.kernels.triton import dw as tdw
 from moeblaze_fx.kernels.tables import WeightTable, table_of, table_of_list
 
@@ -53,7 +53,7 @@ def test_never_taken_on_the_cpu():
     w = torch.randn(4, 64, 256, dtype=torch.bfloat16)
     assert sm90_down.weights(w, None, True, 256) is None
     x = torch.randn(8, 64, dtype=torch.bfloat16)
-    op = tdown.down_operand(table_of(w), None, True, 64, x)
+    op = down_unit(table_of(w), None, True, 64, x)
     assert op.sm90 is None
 
 

@@ -273,7 +273,7 @@ def test_split_backward_equals_the_one_operator_backward(path, request):
         with pytest.raises(ValueError, match=r"phase 'act' runs one window"):
             tables, plan_t = _tables_and_plan(params, layout, plan)
             backward.expert_backward(g, x, w, tables, preact, plan_t, "swiglu", grads=tables, recompute=False,
-                                       window_slots=16, phase="act")
+                                     window_slots=16, phase="act")
     # gate, up and down in one parameter: its gradient is one buffer, which neither side's operator could return
     E, h, d = 4, 24, 16
     one = torch.cat([wgu.detach().reshape(-1), wd.detach().reshape(-1)])

@@ -123,7 +123,7 @@ if GLUON:
         g = 0  # steps issued so far, over all of this program's tiles
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
-                                                          tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
+                                                      tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 # rows outside [first, end) re-read one the tile owns: no masks, the stores drop them
                 tok = gl.load(token_index_ptr + gl.minimum(gl.maximum(start + rs, first), end - 1)) // K
@@ -311,7 +311,7 @@ if GLUON:
 
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
-                                                          tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
+                                                      tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/kernels.md)
                 if ACT_EPI:  # this tile's routing weights, loaded while its K loop runs

@@ -176,7 +176,7 @@ def weight_tma_mode(strides: list[tuple[int, int]], align: int, itemsize: int, d
 
 
 def check_table(name: str, t: WeightTable, rows: int, cols: int, E: int, x: Tensor,
-                 dtypes: tuple[torch.dtype, ...]) -> None:
+                dtypes: tuple[torch.dtype, ...]) -> None:
     if (t.rows, t.cols) != (rows, cols):
         raise ValueError(f"{name} table must describe [{rows}, {cols}] matrices, got [{t.rows}, {t.cols}]")
     if t.ptrs.dim() != 1 or t.ptrs.numel() != E or t.ptrs.dtype != torch.int64:
@@ -312,7 +312,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-
 def desc_view(table: WeightTable, k_is_rows: bool, mode: int) -> Tensor | None:
     """The [E, k, n] (mode 1) or [E, n, k] (mode 2) view of the table's one [E, r, c] tensor that a descriptor of
     every expert's B[e] is built over (unit last stride); None when there is no such tensor, it is empty or its
@@ -322,4 +321,3 @@ def desc_view(table: WeightTable, k_is_rows: bool, mode: int) -> Tensor | None:
         return None  # (a descriptor's shape must be positive)
     kn = dense if k_is_rows else dense.transpose(1, 2)
     return kn if mode == 1 else kn.transpose(1, 2)
-

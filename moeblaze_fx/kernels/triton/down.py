@@ -8,8 +8,9 @@ host-built descriptor over all of them (:func:`host_weight_desc`). With interlea
 dX contracts over 2h in one K loop, dA and dB joined column by column in registers against contiguous
 [2 * BLOCK_K, BLOCK_N] tiles of the [2h, d] matrix (:func:`_interleaved_k_loop`).
 
-On sm_90, :func:`down_project` hands a window to the Gluon kernel of :mod:`..sm90.down` (bitwise equal results) when
-the weights are row blocks of one tensor and the window's rows are 16-byte aligned.
+On sm_90 the per-call plan (:class:`..plan.DownUnit`) hands a window to the Gluon kernel of :mod:`..sm90.down`
+instead (bitwise equal results) when the weights are row blocks of one tensor and the window's rows are 16-byte
+aligned; it reads the weights through the views :func:`down_operand` found (``DownOperand.views``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from .. import autotune
 from ..autotune import plan_block_m
 from ..launch import sized
 from ..reference import DispatchPlan
-from ..sm90 import down as sm90_down
 from ..tables import WeightTable, interleaved_gate_up
 from .common import (
     SlotWindow,
@@ -167,7 +167,7 @@ def _expert_down_kernel(
     b0_table_ptr's address (stride_b0_n along n), contracted in one K loop (:func:`_interleaved_k_loop`)."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
     e, start, first, end = window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
-                                        offsets_ptr, slot0, slot1)
+                                       offsets_ptr, slot0, slot1)
     if e < 0:
         return
     rows = start + tl.arange(0, BLOCK_M)
@@ -223,7 +223,7 @@ class DownOperand(NamedTuple):
     mode: int  # weight_tma_mode: 0 pointers, 1 / 2 descriptors
     descs: tuple  # host tensor descriptors of B0, B1 when ``host``, else placeholders
     host: bool
-    sm90: "sm90_down.Sm90Weights | None"  # the Gluon kernel's view of B0, B1 when it may take the launches
+    views: tuple  # with ``host``: the [E, k, n] / [E, n, k] views of B0 (and B1) the descriptors are built over
     # B0, B1 interleaved (tables.interleaved_gate_up): one [2k, n] matrix of unit row stride through B0's table
     interleaved: bool = False
 
@@ -236,7 +236,7 @@ def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim
         mode = weight_tma_mode([(1, b0.stride_c)], align, x.element_size(), x.device) if k_dim > 0 else 0
         mode = mode if mode == 2 else 0
         return DownOperand((b0.ptrs, b0.ptrs), (1, b0.stride_c, 1, b0.stride_c), False, align, mode,
-                           (b0.ptrs, b0.ptrs), False, None, True)
+                           (b0.ptrs, b0.ptrs), False, (), True)
     tables = [b0, b1] if b1 is not None else [b0, b0]
     kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
     align = table_align(b0, b1)
@@ -246,10 +246,8 @@ def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim
     whole = all(v is not None for v in views)
     host = whole  # one descriptor over every expert's B, built here (see host_weight_desc)
     descs = tuple(host_weight_desc(v, mode) for v in views) if host else (b0.ptrs,)
-    sm90 = sm90_down.weights(views[0], views[1] if b1 is not None else None, mode == 2, k_dim) \
-        if whole and x.is_cuda else None
     return DownOperand((tables[0].ptrs, tables[1].ptrs), (*kn[0], *kn[1]), b1 is not None, align, mode,
-                       (descs[0], descs[-1]), host, sm90)
+                       (descs[0], descs[-1]), host, tuple(views) if host else ())
 
 
 def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: DispatchPlan, out: Tensor,
@@ -260,8 +258,6 @@ def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: Dispat
     num_tiles = window.num_tiles
     if num_tiles == 0 or out.numel() == 0:
         return out
-    if b.sm90 is not None and sm90_down.usable(a, out, plan_block_m()):
-        return sm90_down.down_sm90(a, b.sm90, k_dim, n_dim, plan, out, bias, window)
 
     def grid(meta):
         return (num_tiles * triton.cdiv(n_dim, meta["BLOCK_N"]),)

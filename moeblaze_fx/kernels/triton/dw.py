@@ -10,8 +10,9 @@ through token_index (no gathered copy is built).
 
 The window's contributions start the experts whose slots start in it and add onto those that started earlier
 (``window`` = (slot0, slot1, own_end), see the kernel). Each output element is written by exactly one program per
-window with a fixed reduction order: no atomics. On sm_90, :func:`weight_grad` hands 16-bit launches to the Gluon
-kernel of :mod:`..sm90.dw` when the shapes allow (bitwise the same results).
+window with a fixed reduction order: no atomics. On sm_90 the per-call plan (:meth:`..plan.BackwardPlan.dw_on_sm90`)
+hands 16-bit dW launches to the Gluon kernel of :mod:`..sm90.dw` instead when the shapes allow (bitwise the same
+results).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from torch import Tensor
 from .. import autotune
 from ..launch import launch, sized
 from ..reference import DispatchPlan
-from ..sm90 import dw as sm90_dw
 from ..tables import WeightTable, interleaved_gate_up, table_of
 from .common import dot_precision, grouped_tile_ids, table_align, table_ptr, tma_available
 
@@ -305,7 +305,7 @@ def interleaved_grad_table(gate: WeightTable, up: WeightTable | None) -> WeightT
 
 
 def weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
-                 accumulate: bool, window: tuple[int, int, int], interleaved: bool = False) -> None:
+                accumulate: bool, window: tuple[int, int, int], interleaved: bool = False) -> None:
     """dW[e] (+)= sum over e's slots s in the window of tokens[token(s)].T @ slots[s - slot0], written through
     the table ``out`` ([tokens' columns, slots' columns]). ``window`` = (slot0, slot1, own_end): see the kernel.
     ``interleaved``: ``slots`` is dA|dB [.., 2h] and ``out`` the [d, 2h] matrices of interleaved gate and up
@@ -313,8 +313,6 @@ def weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchP
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
-    if not interleaved and sm90_dw.usable(tokens, slots, out, table_align(out)):
-        return sm90_dw.dw_sm90(tokens, slots, out, plan, K, accumulate, window)  # sm_90: Gluon (bitwise the same)
     out_fp32 = out.dtype == torch.float32 and tokens.dtype != torch.float32
 
     def grid(meta):
@@ -355,8 +353,8 @@ def weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchP
 
 
 def bias_grad(src: Tensor, gather: bool, weights: Tensor | None, plan: DispatchPlan, K: int, E: int,
-               dot_bias: Tensor | None = None, part: Tensor | None = None,
-               window: tuple[int, int] | None = None) -> Tensor:
+              dot_bias: Tensor | None = None, part: Tensor | None = None,
+              window: tuple[int, int] | None = None) -> Tensor:
     """fp32 [E, n]: per expert, the sum over its slots in ``window`` (default: all) of (w *) src[row] (rows:
     tokens when ``gather``, else the window's slots); with ``dot_bias``, also <src[row], dot_bias[e]> per
     slot into ``part`` (one row per column block)."""

@@ -125,7 +125,7 @@ def _expert_up_kernel(
     A and B; the epilogue is the same."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(h, BLOCK_N), GROUP_M)
     e, start, first, end = window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
-                                        offsets_ptr, slot0, slot1)
+                                       offsets_ptr, slot0, slot1)
     if e < 0:
         return
     rows = start + tl.arange(0, BLOCK_M)
