@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moeblaze_fx.bench import layer as L  # noqa: E402
-from moeblaze_fx.kernels import gather_sm90  # noqa: E402
+from moeblaze_fx.kernels.sm90 import gather as sm90_gather  # noqa: E402
 
 
 def main() -> None:
@@ -51,11 +51,11 @@ def main() -> None:
                     fn = L._moeblaze_layer("activations", activation=act)
                 else:
                     fn = torch.compile(L._hf_grouped_layer(True, activation=act))
-                up0, act0 = gather_sm90.launches(), gather_sm90.act_launches()
+                up0, act0 = sm90_gather.launches(), sm90_gather.act_launches()
                 fields, status = L._run_one(fn, cfg, inputs, ref, device, 2, args.reps, dense["tflops"])
                 row = dict(config=name, activation=act, provider=provider, status=status,
-                           gluon_gather_launches=gather_sm90.launches() - up0,
-                           gluon_dh_act_launches=gather_sm90.act_launches() - act0,
+                           gluon_gather_launches=sm90_gather.launches() - up0,
+                           gluon_dh_act_launches=sm90_gather.act_launches() - act0,
                            **{k: fields.get(k) for k in ("ms", "tflops", "peak_bytes", "max_rel_err", "rel_err",
                                                          "error")})
                 rows.append(row)

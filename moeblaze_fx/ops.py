@@ -79,7 +79,7 @@ def plan_block_m(device: torch.device, options: KernelOptions | None = None, dty
     if kernels is None:
         return _CPU_BLOCK_M
     with kernels[4].using(options if options is not None else _config.current().kernels, dtype):
-        return kernels[1].plan_block_m()
+        return kernels[4].plan_block_m()
 
 
 def _using(options: KernelOptions, dtype: torch.dtype):
@@ -190,14 +190,15 @@ def _check_ids_range(ids: Tensor) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
-    """(dispatch, expert_fwd, expert_bwd, tables, autotune) modules, or None where Triton or the kernels are
-    missing."""
+    """(dispatch, forward, backward, tables, autotune, triton.common) modules, or None where Triton or the kernels
+    are missing."""
     try:
-        from .kernels import autotune, dispatch, expert_bwd, expert_fwd, tables
+        from .kernels import autotune, backward, dispatch, forward, tables
+        from .kernels.triton import common
     except ImportError as exc:
         log.debug("moeblaze: Triton kernels unavailable (%s); using the PyTorch implementation", exc)
         return None
-    return dispatch, expert_fwd, expert_bwd, tables, autotune
+    return dispatch, forward, backward, tables, autotune, common
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -524,13 +525,13 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
     kernels reach their first weight-gradient launch); over more than two windows, into float32 buffers first when those cost
     less than one window's transients (an expert spanning several windows is added to once per window:
     in float32 there, else in place in the parameters' dtype)."""
-    fwd, bwd, tables = _triton_kernels()[1:4]
+    bwd, tables, common = (_triton_kernels()[i] for i in (2, 3, 5))
     T, K = ids.shape
     window_slots = chunk_tokens * K
     weight_numel = sum(v.numel(E) for v in views[:3] if v is not None)
     window_bytes = window_slots * _slot_bytes(x.shape[1], views[0].rows, act.gated, x.element_size())
     acc32 = None
-    if phase == "all" and fwd.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
+    if phase == "all" and common.num_slot_windows(T * K, window_slots) > 2 and 4 * weight_numel <= window_bytes:
         acc32 = [None if v is None else torch.empty((E, v.rows, v.cols), dtype=torch.float32, device=x.device)
                  for v in views[:3]]
         if _interleaved_gate_up(views):  # the same interleaved [E, d, 2h] layout: one contiguous 2h-wide dW launch
@@ -622,7 +623,7 @@ def _split_halves(x, params, layout, checkpoint, chunk_tokens, T, K, plan_len):
     if checkpoint != "activations" or not isinstance(T, int):
         return None
     path = _split_path(x)
-    if path == "triton" and (plan_len == 0 or _triton_kernels()[1].num_slot_windows(T * K, chunk_tokens * K) != 1):
+    if path == "triton" and (plan_len == 0 or _triton_kernels()[5].num_slot_windows(T * K, chunk_tokens * K) != 1):
         return None
     if path is None or (path == "cpu" and len(_chunks(T, chunk_tokens)) != 1):
         return None

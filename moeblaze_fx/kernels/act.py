@@ -1,5 +1,5 @@
-"""The expert activations' elementwise arithmetic, in fp32, shared by the Triton kernels (``expert_fwd``,
-``expert_bwd``) and the Gluon ones (``gather_sm90``, which call these functions from their epilogues): one copy, so
+"""The expert activations' elementwise arithmetic, in fp32, shared by the Triton kernels (``triton.up``,
+``triton.dh``) and the Gluon ones (``sm90.gather``, which call these functions from their epilogues): one copy, so
 the two compute each H, dL/dA and dL/dB with the same operations and give bitwise the same results.
 
 ``ACT`` is a constexpr, one of :data:`ACT_CODES`' values. Clamps keep NaN (Triton's plain minimum and maximum return
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ACT_CODES"]
+__all__ = ["ACT_CODES", "act_forward", "act_backward"]
 
 # The ACT constexpr of the kernels (the GATED constexpr says whether there is an up projection).
 ACT_CODES = {"swiglu": 0, "geglu": 1, "swiglu_oai": 2, "silu": 3, "gelu": 4, "relu": 5, "swiglu_clamp": 6,
@@ -86,7 +86,7 @@ def _clamp(v, limit):
 
 
 @triton.jit
-def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
+def act_forward(a, b, alpha, limit, ACT: tl.constexpr):
     """H from the fp32 pre-activations: gate ``a`` and (gated activations) up ``b``."""
     if ACT == _SWIGLU:
         hid = a * tl.sigmoid(a) * b
@@ -119,7 +119,7 @@ def _act_forward(a, b, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
+def act_backward(a, b, d_hid, alpha, limit, ACT: tl.constexpr):
     """(H, dL/da, dL/db) from the fp32 pre-activations and dL/dH, recomputing what the forward computed.
     Clamps pass the gradient inside the closed interval (as ``torch.clamp``). dL/db is ``d_a`` again for
     plain activations (never used)."""

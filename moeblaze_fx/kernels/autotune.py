@@ -29,7 +29,7 @@ Kinds, and what ``block_m/n/k`` mean for each:
 ``dw``           per-expert weight gradient, contraction over the expert's slots: out rows x out cols x slots
 
 The keys of the tuned kernels include the activation (``ACT``) where it changes the kernel; a launch
-that accumulates into its output is never the one that tunes (see ``expert_bwd._weight_grad``).
+that accumulates into its output is never the one that tunes (see ``triton.dw.weight_grad``).
 
 The row-tile kinds take ``BLOCK_M`` from the dispatch plan (:func:`plan_block_m`), never from a config:
 the plan's ``tile_expert``/``tile_start`` are built for one tile height.
@@ -129,7 +129,7 @@ def _fit_hook(nargs: dict) -> None:  # a triton.Config pre_hook: nargs holds the
 
 
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)
-# float32 on the GPU: tl.dot with input_precision="ieee" (expert_fwd.dot_precision) runs on the CUDA cores, so small
+# float32 on the GPU: tl.dot with input_precision="ieee" (triton.common.dot_precision) runs on the CUDA cores, so small
 # tiles; two 64 x 64 fp32 accumulators (up) and 2 stages of 24 KB fit every kind (dh's three accumulators too).
 FLOAT32_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, group_m=8)
 

@@ -514,7 +514,7 @@ def moe_ffn_backward_torch(
     weight 1), so the expert outputs are never needed.
 
     ``phase`` (CPU only) cuts the work into the three calls of the operator's split backward, as
-    ``expert_bwd.expert_backward`` does: ``"act"`` returns (dA|dB [T*K, width] x.dtype in the plan's slot order,
+    ``backward.expert_backward`` does: ``"act"`` returns (dA|dB [T*K, width] x.dtype in the plan's slot order,
     rows of unrouted slots zero; dweights; grads with only the down projection's roles); ``"dx"`` takes that dA|dB
     as ``dpre`` and returns (dx, None, None); ``"dw"`` takes it too and returns (None, None, grads with only the
     gate and up roles and their biases). Together they compute bitwise what ``"all"`` does (dA|dB holds each

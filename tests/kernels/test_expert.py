@@ -1,4 +1,5 @@
-"""Fused expert kernels (moeblaze_fx/kernels/expert_fwd.py, expert_bwd.py) against the references.
+"""Fused expert kernels (moeblaze_fx/kernels/forward.py, backward.py and the units in kernels/triton/) against the
+references.
 
 CPU: the kernels run under the Triton interpreter (tests/conftest.py) in float32 (one float16 case: the
 interpreter's bf16 dot is wrong) with the interpreter's tiny tiles (16 rows), on shapes chosen to hit every
@@ -17,9 +18,17 @@ import torch
 
 import moeblaze_fx
 from moeblaze_fx.config import KernelOptions
-from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd, reference
-from moeblaze_fx.kernels.expert_bwd import expert_backward
-from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m, table_align
+from moeblaze_fx.kernels import autotune, backward, reference
+from moeblaze_fx.kernels.backward import expert_backward
+from moeblaze_fx.kernels.autotune import plan_block_m
+from moeblaze_fx.kernels.forward import expert_forward
+from moeblaze_fx.kernels.triton import combine as tcombine
+from moeblaze_fx.kernels.triton import common as tcommon
+from moeblaze_fx.kernels.triton import dh as tdh
+from moeblaze_fx.kernels.triton import down as tdown
+from moeblaze_fx.kernels.triton import dw as tdw
+from moeblaze_fx.kernels.triton import up as tup
+from moeblaze_fx.kernels.triton.common import table_align
 from moeblaze_fx.kernels.reference import (
     ExpertParams,
     activation_forward,
@@ -255,7 +264,7 @@ def _kinds_launched(monkeypatch):
 def test_fused_dh_matches_reference(monkeypatch, act, window_slots):
     # DH_SPLIT = False: dH' and its epilogue in one launch (the split is the default; every other "activations"
     # test runs it). Every output and gradient as the reference's, windows included.
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
+    monkeypatch.setattr(tdh, "DH_SPLIT", False)
     kinds = _kinds_launched(monkeypatch)
     case = make_case(21, 24, 20, 4, 2, act=act, bias=True, ids_mode="empty_expert", seed=1)
     check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
@@ -320,14 +329,14 @@ DW_LAUNCHES = {"hf_fused": 2, "interleaved": 3, "dense": 3, "transposed": 3, "li
 def test_gate_and_up_gradients_in_one_dw_launch_where_adjacent(monkeypatch, layout, window_slots):
     case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout=layout, ids_mode="empty_expert", seed=13)
     calls = []
-    real = expert_bwd._weight_grad
+    real = backward._weight_grad
 
-    def spy(tokens, slots, out, *args):
+    def spy(bp, tokens, slots, out, *args):
         calls.append((out.rows, out.cols))
-        return real(tokens, slots, out, *args)
-    monkeypatch.setattr(expert_bwd, "_weight_grad", spy)
+        return real(bp, tokens, slots, out, *args)
+    monkeypatch.setattr(backward, "_weight_grad", spy)
     check_against_reference(case, "activations", tol=1e-5, window_slots=window_slots)
-    windows = expert_fwd.num_slot_windows(37 * 3, window_slots)
+    windows = tcommon.num_slot_windows(37 * 3, window_slots)
     assert len(calls) == DW_LAUNCHES[layout] * windows
     # dW_down [d, h], then dW_gate and dW_up computed transposed: [d, 2h] at once, or [d, h] each
     assert set(calls) == ({(40, 24), (40, 48)} if layout == "hf_fused" else {(40, 24)})
@@ -343,7 +352,7 @@ PHASE_CASES = [("hf_fused", "swiglu"), ("interleaved", "swiglu_oai(alpha=1.702,l
 def test_act_dx_dw_phases_together_equal_all(layout, act, dtype):
     """The split backward's three phases ("act": dA|dB, dweights, dW_down, the down bias; "dx": dx alone; "dw": the
     gate|up gradients and their biases, from the same dA|dB) compute bitwise what "all" does, each writing only its
-    roles' gradient storage (:data:`expert_bwd.PHASE_ROLES`; the rest stays NaN). Biases on every role; unrouted
+    roles' gradient storage (:data:`backward.PHASE_ROLES`; the rest stays NaN). Biases on every role; unrouted
     pairs; fp16 too (the interpreter's bf16 dot is not exact)."""
     case = make_case(23, 32, 16, 4, 2, act=act, bias=True, layout=layout, ids_mode="sentinel", seed=7, dtype=dtype)
     a, E = parse_activation(act), case["E"]
@@ -366,8 +375,8 @@ def test_act_dx_dw_phases_together_equal_all(layout, act, dtype):
     dw_st, dw_t = storage()
     dw_out = expert_backward(None, x, weights, w, preact, plan, a, *biases, grads=dw_t, recompute=False, phase="dw",
                              dpre=dpre)
-    assert expert_bwd.PHASE_ROLES == {"all": ("gate", "up", "down"), "act": ("down",), "dx": (),
-                                      "dw": ("gate", "up")}
+    assert backward.PHASE_ROLES == {"all": ("gate", "up", "down"), "act": ("down",), "dx": (),
+                                    "dw": ("gate", "up")}
     assert (no_gate_bias, no_up_bias) == (None, None) and dx_out[1:] == (None, None, None, None)
     assert dw_out[0] is None and dw_out[1] is None and dw_out[4] is None
     for got, want in [(dx_out[0], whole[0]), (dweights, whole[1]), (dw_out[2], whole[2]), (d_down_bias, whole[4]),
@@ -387,17 +396,17 @@ def test_act_dx_dw_phases_together_equal_all(layout, act, dtype):
 def test_gate_up_table_needs_up_h_rows_after_gate():
     w = torch.zeros(4, 2 * 8, 16)  # [E, 2h, d]
     gate, up = table_of(w[:, :8]), table_of(w[:, 8:])
-    both = expert_bwd._gate_up_table(gate, up)
+    both = tdw.gate_up_table(gate, up)
     assert (both.rows, both.cols, both.stride_r, both.stride_c) == (16, 16, 16, 1)
     assert torch.equal(both.ptrs, gate.ptrs) and both.dense.shape == (4, 16, 16)
-    assert expert_bwd._gate_up_table(up, gate) is None  # up's rows before gate's
-    assert expert_bwd._gate_up_table(table_of(w[:, 0::2]), table_of(w[:, 1::2])) is None  # interleaved rows
-    assert expert_bwd._gate_up_table(gate, table_of(torch.zeros(4, 8, 16))) is None  # another tensor
-    assert expert_bwd._gate_up_table(gate, None) is None  # a plain activation
+    assert tdw.gate_up_table(up, gate) is None  # up's rows before gate's
+    assert tdw.gate_up_table(table_of(w[:, 0::2]), table_of(w[:, 1::2])) is None  # interleaved rows
+    assert tdw.gate_up_table(gate, table_of(torch.zeros(4, 8, 16))) is None  # another tensor
+    assert tdw.gate_up_table(gate, None) is None  # a plain activation
     wt = torch.zeros(4, 16, 2 * 8)  # [E, d, 2h] stored transposed (gate columns, then up's): adjacent too
-    both_t = expert_bwd._gate_up_table(table_of(wt[:, :, :8].transpose(1, 2)), table_of(wt[:, :, 8:].transpose(1, 2)))
+    both_t = tdw.gate_up_table(table_of(wt[:, :, :8].transpose(1, 2)), table_of(wt[:, :, 8:].transpose(1, 2)))
     assert (both_t.rows, both_t.cols, both_t.stride_r, both_t.stride_c) == (16, 16, 1, 16)
-    assert expert_bwd._gate_up_table(table_of_list(list(w[:, :8])), table_of_list(list(w[:, 8:]))) is None
+    assert tdw.gate_up_table(table_of_list(list(w[:, :8])), table_of_list(list(w[:, 8:]))) is None
 
 
 # (T, d, h, E, K, ids_mode, why)
@@ -461,7 +470,7 @@ def test_slot_windows_accumulate_and_fp32_tables(monkeypatch):
     # accumulate=True under windows: every window adds, experts without slots keep C bit for bit; fp16 inputs
     # into float32 gradient storage. Autotuning forced on: the bookkeeping of adding launches is exercised.
     monkeypatch.setattr(autotune, "autotuning", lambda: True)
-    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
+    monkeypatch.setattr(tdw, "_DW_TUNED_KEYS", set())
     case = make_case(23, 32, 16, 4, 2, act="geglu", bias=True, ids_mode="empty_expert", dtype=torch.float16, seed=5)
     before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(9)) for s in case["storage"]]
     grads = [b.clone() for b in before]
@@ -474,7 +483,7 @@ def test_slot_windows_accumulate_and_fp32_tables(monkeypatch):
 def test_slot_windows_first_tiles_and_bounds():
     # The first tile of each window is the first tile ending after its start, found on the device; every tile
     # meeting a window lies in [tile0, tile0 + num_tiles).
-    from moeblaze_fx.kernels.expert_fwd import slot_windows
+    from moeblaze_fx.kernels.triton.common import slot_windows
     ids = make_case(61, 8, 8, 6, 3, ids_mode="sentinel", seed=12)["ids"]
     plan = dispatch_reference(ids, 6, block_m=plan_block_m())
     bm, offsets = plan_block_m(), plan.offsets.tolist()
@@ -500,10 +509,10 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(monkeypa
     # pass (a token with several slots in one window, unrouted pairs, d not a multiple of the block), and the rows
     # of tokens without a slot in the window keep their bits (NaN stays NaN). The first window zeroes out first. A
     # window of T slots or more, which may reach every token, runs token-major.
-    from moeblaze_fx.kernels.expert_fwd import combine, combine_tokens
+    from moeblaze_fx.kernels.triton.combine import combine, combine_tokens
     kernels = []
-    real_launch = expert_fwd.launch
-    monkeypatch.setattr(expert_fwd, "launch",
+    real_launch = tcombine.launch
+    monkeypatch.setattr(tcombine, "launch",
                         lambda kernel, *a, **k: (kernels.append(kernel), real_launch(kernel, *a, **k)))
     T, K, E, d = 40, 3, 4, 40
     ids = make_case(T, 8, 8, E, K, ids_mode="sentinel", seed=3)["ids"]
@@ -522,7 +531,7 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(monkeypa
             inside = ((slot_of >= s0) & (slot_of < s1)).any(1)
             kernels.clear()
             got = combine(y_slots[s0:s1], weights, plan, T, K, start.clone(), (s0, s1), accumulate=True)
-            assert kernels == [expert_fwd._expert_combine_window_kernel]
+            assert kernels == [tcombine._expert_combine_window_kernel]
             want = combine_tokens(y_slots[s0:s1], weights, plan.slot_of, T, K, start.clone(), (s0, s1), True)
             assert torch.equal(got[inside], want[inside])
             assert torch.equal(got[~inside].isnan(), start[~inside].isnan())
@@ -540,23 +549,23 @@ def test_window_combine_matches_token_major_and_touches_only_its_tokens(monkeypa
     for window in ((0, N), (0, T), (N - T, N)):
         kernels.clear()
         combine(y_slots[window[0]:window[1]], weights, plan, T, K, torch.zeros(T, d), window, accumulate=False)
-        assert kernels == [expert_fwd._expert_combine_kernel]
+        assert kernels == [tcombine._expert_combine_kernel]
 
 
 def test_descriptor_eligibility():
     # Tensor descriptors need a unit stride, a 16-byte aligned other stride and a 16-byte aligned base; elsewhere the
     # kernels load through pointers (the layout tests' odd widths, h = 6 below, run that path).
     t = torch.zeros(8, 24)
-    assert expert_bwd._dw_tma(t) and expert_bwd._dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
-    assert not expert_bwd._dw_tma(torch.zeros(8, 6))  # 24-byte rows
-    assert not expert_bwd._dw_tma(t[:, 1:]) and not expert_bwd._dw_tma(t.t())  # misaligned base; column stride
-    assert not expert_bwd._dw_tma(t[:0])  # no rows: a descriptor's shape must be positive
+    assert tdw.dw_tma(t) and tdw.dw_tma(t[:, 4:])  # 96-byte rows; a 16-byte offset
+    assert not tdw.dw_tma(torch.zeros(8, 6))  # 24-byte rows
+    assert not tdw.dw_tma(t[:, 1:]) and not tdw.dw_tma(t.t())  # misaligned base; column stride
+    assert not tdw.dw_tma(t[:0])  # no rows: a descriptor's shape must be positive
     cpu = torch.device("cpu")
-    assert expert_fwd.weight_tma_mode([(24, 1), (48, 1)], 16, 4, cpu) == 1  # n contiguous in both tables
-    assert expert_fwd.weight_tma_mode([(1, 24)], 16, 2, cpu) == 2  # k contiguous
-    assert expert_fwd.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
-    assert expert_fwd.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
-    assert expert_fwd.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
+    assert tcommon.weight_tma_mode([(24, 1), (48, 1)], 16, 4, cpu) == 1  # n contiguous in both tables
+    assert tcommon.weight_tma_mode([(1, 24)], 16, 2, cpu) == 2  # k contiguous
+    assert tcommon.weight_tma_mode([(24, 1), (1, 24)], 16, 4, cpu) == 0  # one launch, two orientations
+    assert tcommon.weight_tma_mode([(6, 1)], 16, 2, cpu) == 0  # 12-byte rows
+    assert tcommon.weight_tma_mode([(24, 1)], 8, 4, cpu) == 0  # base alignment not proven
 
 
 def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
@@ -564,18 +573,18 @@ def test_descriptor_device_check_is_asked_once_per_device(monkeypatch):
     # step's launches are bound by the host).
     asked = []
     monkeypatch.setattr(autotune, "interpreting", lambda: False)
-    monkeypatch.setattr(expert_fwd, "ensure_tma_allocator", lambda: None)
+    monkeypatch.setattr(tcommon, "ensure_tma_allocator", lambda: None)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda i: asked.append(i) or ((9, 0) if i == 0 else (8, 0)))
-    expert_fwd._has_tma.cache_clear()
+    tcommon._has_tma.cache_clear()
     try:
         dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
-        assert [expert_fwd.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
-                                                                                            True]
+        assert [tcommon.tma_available(dev) for dev in (dev0, dev0, dev1, dev1, dev0)] == [True, True, False, False,
+                                                                                          True]
         assert asked == [0, 1]
     finally:
-        expert_fwd._has_tma.cache_clear()
+        tcommon._has_tma.cache_clear()
 
 
 def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
@@ -583,12 +592,12 @@ def test_dw_tuning_keys_tell_descriptor_launches_apart(monkeypatch):
     # (pointer loads). The autotuner keys them apart (TMA is in its key), so the bookkeeping that keeps an
     # adding launch from being timed must too; else dW_up, adding, would be the first of its tuner key.
     monkeypatch.setattr(autotune, "autotuning", lambda: True)
-    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
+    monkeypatch.setattr(tdw, "_DW_TUNED_KEYS", set())
     case = make_case(21, 16, 6, 3, 2, act="swiglu", ids_mode="empty_expert", seed=3)
     before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(2)) for s in case["storage"]]
     check_against_reference(case, "activations", tol=1e-5, grads=[b.clone() for b in before], accumulate=True)
     # keys (m_dim, n_dim, TMA, dtypes...): dW_gate and dW_up run transposed, [d, h] = [16, 6]
-    gate_up_keys = {k for k in expert_bwd._DW_TUNED_KEYS if k[:2] == (16, 6)}
+    gate_up_keys = {k for k in tdw._DW_TUNED_KEYS if k[:2] == (16, 6)}
     assert {k[2] for k in gate_up_keys} == {True, False}
 
 
@@ -599,7 +608,7 @@ def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
     # wrapped pointer loads: the same values in the same order, so bitwise the same outputs and gradients
     # (windows, ragged tails, an empty expert; d = 40 is not a multiple of the interpreter's 16-wide tiles).
     case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout=layout, ids_mode="empty_expert", seed=11)
-    modes, real_mode, real_dw = [], expert_fwd.weight_tma_mode, expert_bwd._dw_tma
+    modes, real_mode, real_dw = [], tcommon.weight_tma_mode, tdw.dw_tma
 
     def spy_mode(*args):
         modes.append(real_mode(*args))
@@ -608,12 +617,13 @@ def test_descriptors_and_pointers_agree_bitwise(monkeypatch, layout):
     def spy_dw(slots):
         modes.append(3 if real_dw(slots) else 0)
         return modes[-1] == 3
-    monkeypatch.setattr(expert_fwd, "weight_tma_mode", spy_mode)
-    monkeypatch.setattr(expert_bwd, "_dw_tma", spy_dw)
+    monkeypatch.setattr(tup, "weight_tma_mode", spy_mode)  # the up and down kernels' weights
+    monkeypatch.setattr(tdown, "weight_tma_mode", spy_mode)
+    monkeypatch.setattr(tdw, "dw_tma", spy_dw)
     y1, with_tma = run_kernels(case, "recompute", window_slots=25)
     assert {1, 2, 3} <= set(modes), modes  # both weight orientations and the dW operand used descriptors
-    monkeypatch.setattr(expert_fwd, "tma_available", lambda device: False)
-    monkeypatch.setattr(expert_bwd, "tma_available", lambda device: False)
+    monkeypatch.setattr(tcommon, "tma_available", lambda device: False)
+    monkeypatch.setattr(tdw, "tma_available", lambda device: False)
     modes.clear()
     y2, without = run_kernels(case, "recompute", window_slots=25)
     assert set(modes) == {0}
@@ -628,7 +638,7 @@ def test_dw_row_offsets_in_32_and_64_bits_agree_bitwise(monkeypatch):
     # (always, at these sizes) and in 64 bits otherwise (forced here): the same loads, so the same gradients.
     case = make_case(37, 40, 24, 5, 3, act="swiglu", bias=True, layout="transposed", ids_mode="empty_expert", seed=2)
     y1, narrow = run_kernels(case, "activations", window_slots=25)
-    monkeypatch.setattr(expert_bwd, "_offsets_fit_int32", lambda *tensors: False)
+    monkeypatch.setattr(tdw, "_offsets_fit_int32", lambda *tensors: False)
     y2, wide = run_kernels(case, "activations", window_slots=25)
     assert torch.equal(y1, y2) and torch.equal(narrow["x"], wide["x"])
     assert all(torch.equal(a, b) for a, b in zip(narrow["storage"], wide["storage"]))
@@ -638,10 +648,10 @@ def test_dw_row_offsets_in_32_and_64_bits_agree_bitwise(monkeypatch):
 def test_offsets_fit_int32_bounds():
     def meta(shape, stride):
         return torch.empty_strided(shape, stride, device="meta")
-    assert expert_bwd._offsets_fit_int32(meta((2 ** 15, 2 ** 16), (2 ** 16, 1)))  # last offset 2**31 - 1
-    assert not expert_bwd._offsets_fit_int32(meta((2 ** 15 + 1, 2 ** 16), (2 ** 16, 1)))
-    assert not expert_bwd._offsets_fit_int32(meta((2, 4), (4, 1)), meta((3, 2), (2 ** 30, 1)))  # any of them
-    assert expert_bwd._offsets_fit_int32(meta((0, 8), (8, 1)), meta((5, 3), (1, 5)))  # empty; column-major
+    assert tdw._offsets_fit_int32(meta((2 ** 15, 2 ** 16), (2 ** 16, 1)))  # last offset 2**31 - 1
+    assert not tdw._offsets_fit_int32(meta((2 ** 15 + 1, 2 ** 16), (2 ** 16, 1)))
+    assert not tdw._offsets_fit_int32(meta((2, 4), (4, 1)), meta((3, 2), (2 ** 30, 1)))  # any of them
+    assert tdw._offsets_fit_int32(meta((0, 8), (8, 1)), meta((5, 3), (1, 5)))  # empty; column-major
 
 
 def test_accumulate_adds_onto_existing_gradients(monkeypatch):
@@ -649,7 +659,7 @@ def test_accumulate_adds_onto_existing_gradients(monkeypatch):
     # bit. Autotuning forced on: the tuning launch writes a scratch buffer, never C (its configuration is
     # then the interpreter's fixed one, so only the bookkeeping is exercised here).
     monkeypatch.setattr(autotune, "autotuning", lambda: True)
-    monkeypatch.setattr(expert_bwd, "_DW_TUNED_KEYS", set())
+    monkeypatch.setattr(tdw, "_DW_TUNED_KEYS", set())
     case = make_case(23, 24, 20, 4, 2, act="geglu", bias=True, ids_mode="empty_expert", seed=4)
     before = [torch.randn(s.shape, generator=torch.Generator().manual_seed(9)) for s in case["storage"]]
     grads = [b.clone() for b in before]
@@ -987,7 +997,7 @@ def test_a_nan_token_stays_nan_cuda(act):
 def test_fused_dh_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots):
     # DH_SPLIT = False (the fused dh) within the tolerance and bitwise deterministic; the split default is
     # what every other "activations" CUDA test runs.
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
+    monkeypatch.setattr(tdh, "DH_SPLIT", False)
     case = make_case(T, d, h, E, K, act="swiglu", bias=True, device="cuda", dtype=torch.bfloat16, ids_mode=ids_mode,
                      seed=T + 3)
     y1, o1 = check_against_reference(case, "activations", tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
@@ -1041,7 +1051,7 @@ def test_slot_windows_bound_the_backward_transients_cuda(policy):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - start
     chunk = autotune.dweights_chunk()
-    part = (h // chunk + expert_bwd._MAX_DH_BLOCK_N // chunk) * T * K * 4
+    part = (h // chunk + tdh.MAX_BLOCK_N // chunk) * T * K * 4
     window_bytes = window * (2 * h + max(h, d)) * 2
     bound = T * d * 2 + part + T * K * 2 + window_bytes + (1 << 20)
     assert peak <= bound, f"peak {peak} above {bound} (window transients {window_bytes})"

@@ -1,5 +1,5 @@
-"""The Gluon kernels for sm_90: down (moeblaze_fx/kernels/down_sm90.py), dW (dw_sm90.py) and the gathering GEMMs,
-up and dh's (gather_sm90.py).
+"""The Gluon kernels for sm_90: down (moeblaze_fx/kernels/sm90/down.py), dW (sm90/dw.py) and the gathering GEMMs,
+up and dh's (sm90/gather.py).
 
 CPU: when they may take a launch (``weights``, ``usable``) and the row-block view of a table's storage the kernels
 read weights through. GPU (``cuda`` marker; an sm_90 device, else skipped with the reason): the whole forward and
@@ -16,7 +16,14 @@ import torch
 import moeblaze_fx
 from moeblaze_fx import config
 from moeblaze_fx.config import KernelOptions
-from moeblaze_fx.kernels import autotune, down_sm90, dw_sm90, expert_bwd, expert_fwd, gather_sm90
+from moeblaze_fx.kernels import autotune
+from moeblaze_fx.kernels.plan import down_unit
+from moeblaze_fx.kernels.sm90 import common as sm90_common
+from moeblaze_fx.kernels.sm90 import down as sm90_down
+from moeblaze_fx.kernels.sm90 import dw as sm90_dw
+from moeblaze_fx.kernels.sm90 import gather as sm90_gather
+from moeblaze_fx.kernels.triton import common as tcommon
+from moeblaze_fx.kernels.triton import dw as tdw
 from moeblaze_fx.kernels.tables import WeightTable, table_of, table_of_list
 
 from test_expert import check_against_reference, grad_storage_like, make_case, run_kernels
@@ -25,59 +32,59 @@ from test_expert import check_against_reference, grad_storage_like, make_case, r
 def test_rows_view_addresses_every_expert():
     w = torch.randn(5, 2 * 24, 40)  # Hugging Face's fused [E, 2h, d]: gate rows, then up rows
     for half in (w[:, :24], w[:, 24:]):
-        flat, e_rows = down_sm90._rows_view(half)
+        flat, e_rows = sm90_common.rows_view(half)
         assert e_rows == 48 and flat.shape == (4 * 48 + 24, 40)
         for e in range(5):
             assert torch.equal(flat[e * e_rows: e * e_rows + 24], half[e])
     dense = torch.randn(3, 7, 16)
-    flat, e_rows = down_sm90._rows_view(dense)
+    flat, e_rows = sm90_common.rows_view(dense)
     assert e_rows == 7 and torch.equal(flat, dense.reshape(21, 16))
 
 
 def test_rows_view_refuses_what_is_not_row_blocks():
     w = torch.randn(4, 8, 16)
-    assert down_sm90._rows_view(w.transpose(1, 2)) is None  # no unit column stride
-    assert down_sm90._rows_view(w[:, :, :15].as_strided((4, 8, 15), (15, 16, 1))) is None  # expert stride 15
-    assert down_sm90._rows_view(w.as_strided((4, 8, 16), (64, 16, 1))) is None  # experts overlap (4 rows apart)
-    assert down_sm90._rows_view(w[:0]) is None
+    assert sm90_common.rows_view(w.transpose(1, 2)) is None  # no unit column stride
+    assert sm90_common.rows_view(w[:, :, :15].as_strided((4, 8, 15), (15, 16, 1))) is None  # expert stride 15
+    assert sm90_common.rows_view(w.as_strided((4, 8, 16), (64, 16, 1))) is None  # experts overlap (4 rows apart)
+    assert sm90_common.rows_view(w[:0]) is None
 
 
 def test_never_taken_on_the_cpu():
     w = torch.randn(4, 64, 256, dtype=torch.bfloat16)
-    assert down_sm90.weights(w, None, True, 256) is None
+    assert sm90_down.weights(w, None, True, 256) is None
     x = torch.randn(8, 64, dtype=torch.bfloat16)
-    op = expert_fwd.down_operand(table_of(w), None, True, 64, x)
+    op = down_unit(table_of(w), None, True, 64, x)
     assert op.sm90 is None
 
 
 def test_usable_needs_plan_tiles_and_aligned_rows():
     a = torch.empty(300, 256, dtype=torch.bfloat16)
     out = torch.empty(300, 512, dtype=torch.bfloat16)
-    assert down_sm90.usable(a, out, 128)
-    assert not down_sm90.usable(a, out, 16)  # plan tiles of another height
-    assert not down_sm90.usable(a, out.float(), 128)  # out of another dtype
-    assert not down_sm90.usable(a[:, 1:], out, 128)  # misaligned base
-    assert not down_sm90.usable(torch.empty(300, 260, dtype=torch.bfloat16)[:, :256], out, 128)  # row stride 520 B
-    assert not down_sm90.usable(a, torch.empty(512, 300, dtype=torch.bfloat16).t(), 128)  # column stride 300
+    assert sm90_down.usable(a, out, 128)
+    assert not sm90_down.usable(a, out, 16)  # plan tiles of another height
+    assert not sm90_down.usable(a, out.float(), 128)  # out of another dtype
+    assert not sm90_down.usable(a[:, 1:], out, 128)  # misaligned base
+    assert not sm90_down.usable(torch.empty(300, 260, dtype=torch.bfloat16)[:, :256], out, 128)  # row stride 520 B
+    assert not sm90_down.usable(a, torch.empty(512, 300, dtype=torch.bfloat16).t(), 128)  # column stride 300
 
 
 def test_gluon_option_is_read_at_every_call():
     # the kernel option in force: the innermost autotune.using block's (the operators'), else config.current()'s
-    assert down_sm90.enabled()
+    assert sm90_common.enabled()
     with moeblaze_fx.patch(kernels={"gluon": False}):
-        assert not down_sm90.enabled()
+        assert not sm90_common.enabled()
         with autotune.using(KernelOptions(gluon=True)):
-            assert down_sm90.enabled()
+            assert sm90_common.enabled()
     with autotune.using(KernelOptions(gluon=False)):
-        assert not down_sm90.enabled()
-    assert down_sm90.enabled()
+        assert not sm90_common.enabled()
+    assert sm90_common.enabled()
 
 
 def test_dw_never_taken_on_the_cpu():
     x = torch.randn(8, 128, dtype=torch.bfloat16)
     slots = torch.randn(16, 256, dtype=torch.bfloat16)
     out = table_of(torch.empty(4, 128, 256, dtype=torch.bfloat16))
-    assert not dw_sm90.usable(x, slots, out, 16)
+    assert not sm90_dw.usable(x, slots, out, 16)
 
 
 def test_dw_leaves_tables_past_32_bit_offsets_to_triton():
@@ -89,11 +96,11 @@ def test_dw_leaves_tables_past_32_bit_offsets_to_triton():
 
     h, d = 8192, 2048
     for E, fits in ((128, False), (8, True)):
-        assert dw_sm90.table_ok(table(d, 2 * h, E * 2 * h, 1)) == fits  # rows along d, 2h contiguous
-        assert dw_sm90.table_ok(table(2 * h, d, 1, E * 2 * h)) == fits  # the same matrix read transposed
-    assert dw_sm90.table_ok(table(d, 2 * h, 2 * h, 1))
-    assert not dw_sm90.table_ok(table(d, 2 * h - 128, 2 * h, 1))  # columns not a multiple of 256
-    assert not dw_sm90.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # a row stride that is not a multiple of 16 bytes
+        assert sm90_dw.table_ok(table(d, 2 * h, E * 2 * h, 1)) == fits  # rows along d, 2h contiguous
+        assert sm90_dw.table_ok(table(2 * h, d, 1, E * 2 * h)) == fits  # the same matrix read transposed
+    assert sm90_dw.table_ok(table(d, 2 * h, 2 * h, 1))
+    assert not sm90_dw.table_ok(table(d, 2 * h - 128, 2 * h, 1))  # columns not a multiple of 256
+    assert not sm90_dw.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # a row stride that is not a multiple of 16 bytes
 
 
 def test_dw_store_descriptor_covers_each_experts_matrix():
@@ -103,48 +110,48 @@ def test_dw_store_descriptor_covers_each_experts_matrix():
     E, h, d = 3, 256, 128
     gate_up = torch.randn(E, 2 * h, d, dtype=torch.bfloat16)
     down = torch.randn(E, d, h, dtype=torch.bfloat16)
-    gate_t = expert_bwd._transposed(table_of(gate_up[:, :h]))  # [d, h] per expert, m contiguous: O_COL
-    up_t = expert_bwd._transposed(table_of(gate_up[:, h:]))
+    gate_t = tdw.transposed(table_of(gate_up[:, :h]))  # [d, h] per expert, m contiguous: O_COL
+    up_t = tdw.transposed(table_of(gate_up[:, h:]))
     for table, rows, e_rows, block, matrix in [
             (gate_t, (E - 1) * 2 * h + h, 2 * h, [256, 128], lambda e: gate_up[e, :h]),
             (up_t, (E - 1) * 2 * h + h, 2 * h, [256, 128], lambda e: gate_up[e, h:]),
             (table_of(down), E * d, d, [128, 256], lambda e: down[e])]:
-        desc, got_rows = dw_sm90._store_desc(table)
+        desc, got_rows = sm90_dw._store_desc(table)
         assert got_rows == e_rows and list(desc.block_shape) == block
         assert tuple(desc.shape) == (rows, matrix(0).shape[1])
         flat = desc.base.as_strided(desc.shape, desc.strides)
         for e in range(E):
             assert torch.equal(flat[e * e_rows: e * e_rows + matrix(e).shape[0]], matrix(e))
-    assert dw_sm90._store_desc(table_of_list(list(down))) is None
+    assert sm90_dw._store_desc(table_of_list(list(down))) is None
 
 
 def test_gather_never_taken_on_the_cpu():
     w = torch.randn(4, 256, 128, dtype=torch.bfloat16)
-    assert gather_sm90.up_weights(w, w, True, 128) is None
-    assert gather_sm90.dh_weights(w, False, 256) is None
+    assert sm90_gather.up_weights(w, w, True, 128) is None
+    assert sm90_gather.dh_weights(w, False, 256) is None
 
 
 def test_gather_usable_needs_a_swiglu_unbiased_and_aligned_rows():
     x = torch.empty(300, 256, dtype=torch.bfloat16)
     hid = torch.empty(400, 192, dtype=torch.bfloat16)
     pre = torch.empty(400, 384, dtype=torch.bfloat16)
-    assert gather_sm90.up_usable(x, hid, pre, "swiglu", False, 128)
-    assert gather_sm90.up_usable(x, hid, None, "swiglu", False, 128)  # "recompute": A|B not kept
-    assert gather_sm90.up_usable(x, hid, pre, "swiglu_clamp", False, 128)  # SwiGLU's clamped forms
-    assert gather_sm90.up_usable(x, hid, pre, "swiglu_oai", False, 128)
-    assert gather_sm90.up_usable(x, hid, pre, "geglu_tanh", False, 128)  # Gemma 4's
-    assert gather_sm90.up_usable(x, hid, pre, "swiglu_softcap", False, 128)  # Inkling 2's
-    assert gather_sm90.up_usable(x, hid, pre, "geglu", False, 128)
-    assert not gather_sm90.up_usable(x, hid, pre, "silu", False, 128)  # plain: no up projection
-    assert not gather_sm90.up_usable(x, hid, pre, "relu2", False, 128)
-    assert not gather_sm90.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
-    assert not gather_sm90.up_usable(x, hid, pre, "swiglu", False, 64)  # plan tiles of another height
-    assert not gather_sm90.up_usable(x[:, 1:], hid, pre, "swiglu", False, 128)  # misaligned x rows
-    assert not gather_sm90.up_usable(x, hid, pre[1:, 1:], "swiglu", False, 128)  # misaligned A|B
-    assert not gather_sm90.up_usable(x.half(), hid, pre, "swiglu", False, 128)  # mixed dtypes
-    assert not gather_sm90.up_usable(x.float(), hid.float(), pre.float(), "swiglu", False, 128)  # 32-bit
-    assert gather_sm90.dh_usable(x, hid, 128)
-    assert not gather_sm90.dh_usable(x, hid.t(), 128)  # no unit column stride
+    assert sm90_gather.up_usable(x, hid, pre, "swiglu", False, 128)
+    assert sm90_gather.up_usable(x, hid, None, "swiglu", False, 128)  # "recompute": A|B not kept
+    assert sm90_gather.up_usable(x, hid, pre, "swiglu_clamp", False, 128)  # SwiGLU's clamped forms
+    assert sm90_gather.up_usable(x, hid, pre, "swiglu_oai", False, 128)
+    assert sm90_gather.up_usable(x, hid, pre, "geglu_tanh", False, 128)  # Gemma 4's
+    assert sm90_gather.up_usable(x, hid, pre, "swiglu_softcap", False, 128)  # Inkling 2's
+    assert sm90_gather.up_usable(x, hid, pre, "geglu", False, 128)
+    assert not sm90_gather.up_usable(x, hid, pre, "silu", False, 128)  # plain: no up projection
+    assert not sm90_gather.up_usable(x, hid, pre, "relu2", False, 128)
+    assert not sm90_gather.up_usable(x, hid, pre, "swiglu", True, 128)  # biases take the Triton kernel
+    assert not sm90_gather.up_usable(x, hid, pre, "swiglu", False, 64)  # plan tiles of another height
+    assert not sm90_gather.up_usable(x[:, 1:], hid, pre, "swiglu", False, 128)  # misaligned x rows
+    assert not sm90_gather.up_usable(x, hid, pre[1:, 1:], "swiglu", False, 128)  # misaligned A|B
+    assert not sm90_gather.up_usable(x.half(), hid, pre, "swiglu", False, 128)  # mixed dtypes
+    assert not sm90_gather.up_usable(x.float(), hid.float(), pre.float(), "swiglu", False, 128)  # 32-bit
+    assert sm90_gather.dh_usable(x, hid, 128)
+    assert not sm90_gather.dh_usable(x, hid.t(), 128)  # no unit column stride
 
 
 def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows():
@@ -153,7 +160,7 @@ def test_fused_dh_usable_needs_a_swiglu_chunks_of_64_and_aligned_rows():
     pre = torch.empty(400, 384, dtype=torch.bfloat16)
     dpre = torch.empty(400, 384, dtype=torch.bfloat16)
     wts = torch.empty(200, 2)
-    usable = gather_sm90.dh_act_usable
+    usable = sm90_gather.dh_act_usable
     assert usable(dy, hw, pre, dpre, wts, "swiglu", 64, 128)
     assert usable(dy, hw, pre, dpre, wts.bfloat16(), "swiglu", 64, 128)  # routing weights of any float dtype
     assert usable(dy, hw, pre, dpre, wts, "swiglu_clamp", 64, 128)
@@ -179,7 +186,7 @@ def _need_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
         major, minor = torch.cuda.get_device_capability()
         pytest.skip(f"the Gluon kernels run on sm_90 only; this device is sm_{major}{minor}")
-    if not down_sm90._GLUON:
+    if not sm90_common.GLUON:
         pytest.skip("this Triton build has no Gluon")
 
 
@@ -231,7 +238,7 @@ def _several_tiles_a_program(slots: int, window_slots: int, h: int, block_n: int
     """Check that a case gives the gathering kernels' programs (one per SM) at least two tiles each in its first
     window, counting only the tiles it has for sure: the window's slots // 128 row tiles x h's column tiles."""
     window = min(slots, window_slots) if window_slots else slots
-    tiles = (window // gather_sm90.BLOCK_M) * -(-h // block_n)
+    tiles = (window // sm90_gather.BLOCK_M) * -(-h // block_n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert tiles >= 2 * sms, f"{tiles} tiles for {sms} programs: not the case the test means"
 
@@ -243,7 +250,7 @@ def _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, block_n, 
     _several_tiles_a_program(T * K, window_slots, h, block_n)
     case = make_case(T, d, h, E, K, act="swiglu", layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=seed)
-    return case, expert_fwd.num_slot_windows(T * K, window_slots)
+    return case, tcommon.num_slot_windows(T * K, window_slots)
 
 
 def _assert_same_results(first, second, what: str, weights_close: bool = False) -> None:
@@ -260,7 +267,7 @@ def _assert_same_results(first, second, what: str, weights_close: bool = False) 
 
 
 def _launches() -> tuple[int, int, int]:
-    return down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches()
+    return sm90_down.launches(), sm90_dw.launches(), sm90_gather.launches()
 
 
 @pytest.mark.cuda
@@ -274,16 +281,16 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
                      ids_mode=ids_mode, seed=T + 5)
     _switch(monkeypatch, True)
     _poison()
-    before, stores, acts = _launches(), dw_sm90.store_launches(), gather_sm90.act_launches()
+    before, stores, acts = _launches(), sm90_dw.store_launches(), sm90_gather.act_launches()
     y1, o1 = check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32, window_slots=window_slots)
     # "recompute" on the Gluon kernels: the up kernel into dA|dB's buffer, then the fused dh over it in place
     recomputed = policy == "recompute" and gather[0] > 0 and gather[1] > 0 and h % 16 == 0
     gathers = gather[0] + (gather[1] if policy == "activations" else 0) + (gather[0] + gather[1] if recomputed else 0)
     assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
-    assert dw_sm90.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
+    assert sm90_dw.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
     # dh's GEMM and its epilogue in one launch wherever the GEMM took the Gluon kernel (SwiGLU, A|B kept, h % 16 == 0)
     fused = (policy == "activations" and h % 16 == 0) or recomputed
-    assert gather_sm90.act_launches() - acts == (gather[1] if fused else 0)
+    assert sm90_gather.act_launches() - acts == (gather[1] if fused else 0)
     _switch(monkeypatch, False)
     before = _launches()
     # recomputed on the Gluon kernels, A|B are the forward's: the Triton kernels' results under "activations" (the
@@ -312,18 +319,18 @@ def test_gluon_other_activations_match_triton_bitwise_cuda(monkeypatch, T, d, h,
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 17)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
     _switch(monkeypatch, True)
     _poison()
-    launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
+    launches, acts = sm90_gather.launches(), sm90_gather.act_launches()
     first = run_kernels(case, policy, window_slots=window_slots)
     # up and the fused dh; "recompute" launches up again in the backward, into the buffer the fused dh works in place
-    assert gather_sm90.launches() - launches == (2 if policy == "activations" else 3) * windows
-    assert gather_sm90.act_launches() - acts == windows
+    assert sm90_gather.launches() - launches == (2 if policy == "activations" else 3) * windows
+    assert sm90_gather.act_launches() - acts == windows
     _switch(monkeypatch, False)
-    launches = gather_sm90.launches()
+    launches = sm90_gather.launches()
     second = run_kernels(case, "activations", window_slots=window_slots)  # "recompute" on Gluon: the same A|B
-    assert gather_sm90.launches() == launches
+    assert sm90_gather.launches() == launches
     _assert_same_results(first, second, "the Triton kernels'", weights_close=h % 64 != 0)
 
 
@@ -343,16 +350,16 @@ def test_recompute_on_gluon_gives_the_activations_results_cuda(monkeypatch, T, d
     _need_sm90()
     case = make_case(T, d, h, E, K, act=act, layout=layout, device="cuda", dtype=dtype, ids_mode=ids_mode,
                      seed=T + 23)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
     _switch(monkeypatch, True)
     out = []
     for policy in ("recompute", "activations"):
         _poison()
-        launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
+        launches, acts = sm90_gather.launches(), sm90_gather.act_launches()
         out.append(check_against_reference(case, policy, tol=1e-2, ref_dtype=torch.float32,
                                            window_slots=window_slots))
-        assert gather_sm90.launches() - launches == (3 if policy == "recompute" else 2) * windows
-        assert gather_sm90.act_launches() - acts == windows
+        assert sm90_gather.launches() - launches == (3 if policy == "recompute" else 2) * windows
+        assert sm90_gather.act_launches() - acts == windows
     _assert_same_results(*out, '"activations"')
 
 
@@ -370,9 +377,9 @@ def test_gluon_dw_accumulates_like_triton_cuda(monkeypatch, window_slots):
     for on in (True, False):
         _switch(monkeypatch, on)
         grads = [s.clone() for s in start]
-        before = dw_sm90.launches()
+        before = sm90_dw.launches()
         run_kernels(case, "activations", grads=grads, accumulate=True, window_slots=window_slots)
-        assert dw_sm90.launches() - before == (2 * expert_fwd.num_slot_windows(4000, window_slots) if on else 0)
+        assert sm90_dw.launches() - before == (2 * tcommon.num_slot_windows(4000, window_slots) if on else 0)
         out.append(grads)
     assert all(torch.equal(a, b) for a, b in zip(*out))
     assert not all(torch.equal(a, b) for a, b in zip(out[0], start)), "nothing was accumulated"
@@ -389,14 +396,14 @@ def test_gluon_dw_tma_and_pointer_stores_agree_cuda(monkeypatch, layout, window_
     _need_sm90()
     case = make_case(900, 256, 256, 8, 2, act="swiglu", layout=layout, device="cuda", dtype=torch.bfloat16,
                      ids_mode="empty_expert", seed=17)
-    windows = expert_fwd.num_slot_windows(1800, window_slots)
+    windows = tcommon.num_slot_windows(1800, window_slots)
     out = []
     for on in (True, False):
-        launches, stores = dw_sm90.launches(), dw_sm90.store_launches()
+        launches, stores = sm90_dw.launches(), sm90_dw.store_launches()
         y, o = _run_with(monkeypatch, on, case, window_slots)
         per_window = (2 if layout == "hf_fused" else 3) if on else 0  # dW_gate and dW_up as one launch for hf_fused
-        assert dw_sm90.launches() - launches == per_window * windows
-        assert dw_sm90.store_launches() - stores == (per_window * windows if layout != "list" else 0)
+        assert sm90_dw.launches() - launches == per_window * windows
+        assert sm90_dw.store_launches() - stores == (per_window * windows if layout != "list" else 0)
         assert all(torch.isfinite(g).all() for g in o["storage"]), "an unwritten weight gradient element"
         out.append(o["storage"])
     assert all(torch.equal(a, b) for a, b in zip(*out)), "the Gluon dW's stores differ from the Triton kernel's"
@@ -415,13 +422,13 @@ def test_fused_dh_matches_the_split_launches_cuda(monkeypatch, T, d, h, E, K, id
     # in an order that may differ where h % 64 != 0. Tiles cut by windows, several tiles a program (each tile's
     # epilogue runs in the next one's K loop) and the last tile's (after the loop) are all here. (dh as the Gluon
     # GEMM then the Triton epilogue, where the fused kernel does not apply: GPU_CASES' h = 200.)
-    case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, gather_sm90.DH_BLOCK_N, T + 11)
+    case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, sm90_gather.DH_BLOCK_N, T + 11)
     out = []
     for on in (True, False):
-        launches, acts = gather_sm90.launches(), gather_sm90.act_launches()
+        launches, acts = sm90_gather.launches(), sm90_gather.act_launches()
         y, o = _run_with(monkeypatch, on, case, window_slots)
-        assert gather_sm90.launches() - launches == (2 * windows if on else 0)  # up and the fused dh per window
-        assert gather_sm90.act_launches() - acts == (windows if on else 0)
+        assert sm90_gather.launches() - launches == (2 * windows if on else 0)  # up and the fused dh per window
+        assert sm90_gather.act_launches() - acts == (windows if on else 0)
         out.append((y, o))
     _assert_same_results(*out, "the Triton kernels' split dh", weights_close=h % 64 != 0)
     assert torch.isfinite(out[0][1]["weights"]).all()
@@ -441,13 +448,13 @@ def test_up_h_in_next_loop_matches_triton_cuda(monkeypatch, T, d, h, E, K, ids_m
     # rounded A|B), so equal outputs and gradients. The cases have several tiles a program (each tile's H then runs
     # in the next one's K loop, the last tile's after the loop) and ragged tiles (experts' last rows, windows,
     # columns past h).
-    case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, gather_sm90.UP_BLOCK_N, T + 13)
+    case, windows = _ragged_case(T, d, h, E, K, ids_mode, layout, dtype, window_slots, sm90_gather.UP_BLOCK_N, T + 13)
     out = []
     for on in (True, False):
-        launches = gather_sm90.launches()
+        launches = sm90_gather.launches()
         y, o = _run_with(monkeypatch, on, case, window_slots, policy)
         per_window = 2 if policy == "activations" else 3  # up and dh, and "recompute"'s up again
-        assert gather_sm90.launches() - launches == (per_window * windows if on else 0)
+        assert sm90_gather.launches() - launches == (per_window * windows if on else 0)
         assert torch.isfinite(y).all(), "an unwritten H element"
         out.append((y, o))
     # (the fused dh, h % 16 == 0, sums the routing-weight partials in its own order where h % 64 != 0)
@@ -461,6 +468,6 @@ def test_gather_leaves_d_not_multiple_of_64_to_triton_cuda(monkeypatch):
     case = make_case(300, 200, 256, 4, 2, act="swiglu", layout="dense", device="cuda", dtype=torch.bfloat16,
                      ids_mode="random", seed=7)
     _switch(monkeypatch, True)
-    before = gather_sm90.launches()
+    before = sm90_gather.launches()
     check_against_reference(case, "activations", tol=1e-2, ref_dtype=torch.float32)
-    assert gather_sm90.launches() == before
+    assert sm90_gather.launches() == before

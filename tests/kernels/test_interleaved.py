@@ -11,9 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeblaze_fx.kernels import autotune, expert_bwd, expert_fwd
-from moeblaze_fx.kernels.expert_bwd import expert_backward
-from moeblaze_fx.kernels.expert_fwd import expert_forward, plan_block_m
+from moeblaze_fx.kernels import autotune
+from moeblaze_fx.kernels.backward import expert_backward
+from moeblaze_fx.kernels.autotune import plan_block_m
+from moeblaze_fx.kernels.forward import expert_forward
+from moeblaze_fx.kernels.triton import common as tcommon
+from moeblaze_fx.kernels.triton import dh as tdh
+from moeblaze_fx.kernels.triton import dw as tdw
 from moeblaze_fx.kernels.reference import ExpertParams, dispatch_reference, moe_ffn_reference, parse_activation
 from moeblaze_fx.kernels.tables import ExpertTables, interleaved_gate_up, table_of
 from moeblaze_fx.layout import RoleView, encode_layout
@@ -145,7 +149,7 @@ def test_interleaved_matches_reference(monkeypatch, T, d, h, E, K, ids_mode, win
     seen = _interleaved_flags(monkeypatch)
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K)
     check(case, policy, tol=1e-5, window_slots=window_slots)
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
     # every up, dX and dW_gate|up launch on the interleaved path: one up and one dX per window (under "recompute"
     # A|B computed again by the up kernel, then dh as under "activations", never the dh kernel's own strided
     # recomputation), two dW launches per window (down; gate and up together)
@@ -166,8 +170,8 @@ def test_interleaved_matches_reference(monkeypatch, T, d, h, E, K, ids_mode, win
 def test_interleaved_through_pointers(monkeypatch, case_index, policy):
     # Without tensor descriptors (devices before sm_90, a base or row stride that is not 16-byte aligned): the
     # interleaved tiles through pointer loads, ragged (masked, wrapped columns) and even.
-    monkeypatch.setattr(expert_fwd, "tma_available", lambda device: False)
-    monkeypatch.setattr(expert_bwd, "tma_available", lambda device: False)
+    monkeypatch.setattr(tcommon, "tma_available", lambda device: False)
+    monkeypatch.setattr(tdw, "tma_available", lambda device: False)
     seen = _interleaved_flags(monkeypatch)
     T, d, h, E, K, ids_mode, window_slots = CASES[case_index]
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K + 1)
@@ -189,7 +193,7 @@ def test_interleaved_wide_tiles_past_a_descriptor_block(policy):
 def test_interleaved_recompute_inside_dh_when_not_split(monkeypatch):
     # DH_SPLIT = False (one fused dh launch, kept for comparisons): "recompute" keeps the dh kernel's own
     # recomputation of A|B, through the strided gate and up tables; still every gradient as the reference's.
-    monkeypatch.setattr(expert_bwd, "DH_SPLIT", False)
+    monkeypatch.setattr(tdh, "DH_SPLIT", False)
     seen = _interleaved_flags(monkeypatch)
     case = make_case(37, 40, 24, 5, 4, ids_mode="empty_expert", seed=11)
     check(case, "recompute", tol=1e-5, window_slots=41)
@@ -222,7 +226,7 @@ def test_interleaved_detection():
     assert not interleaved_gate_up(table_of(fused[:, :, :8].transpose(1, 2)), table_of(fused[:, :, 8:].transpose(1, 2)))
     wide = torch.zeros(4, 16, 2 * 8 + 4)[:, :, :16].transpose(1, 2)  # rows padded to 20: still one [2h, d] each
     assert interleaved_gate_up(table_of(wide[:, 0::2]), table_of(wide[:, 1::2]))
-    g = expert_bwd._interleaved_grad_table(gate, up)
+    g = tdw.interleaved_grad_table(gate, up)
     assert (g.rows, g.cols, g.stride_r, g.stride_c) == (16, 16, 16, 1) and torch.equal(g.ptrs, gate.ptrs)
 
 
@@ -289,7 +293,7 @@ def test_operator_over_gpt_oss_storage_in_the_interpreter(monkeypatch, checkpoin
         assert rel_err(y, ref) <= 1e-5
         for i, (a, b) in enumerate(zip(got, want)):
             assert rel_err(a, b) <= 1e-5, f"gradient {i} (chunk_tokens={chunk})"
-        windows = expert_fwd.num_slot_windows(T * K, chunk * K)
+        windows = tcommon.num_slot_windows(T * K, chunk * K)
         assert windows == {0: 1, 20: 8, 48: 4}[chunk]
         ups = 2 if checkpoint == "recompute" else 1  # (A|B again by the up kernel in backward)
         assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (ups * windows)
@@ -350,7 +354,7 @@ def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slot
     assert not bad, f"relative errors above 1e-2: {bad} (all: {errs})"
     y2, got2 = run_kernels(case, policy, window_slots)
     assert torch.equal(y, y2) and all(torch.equal(got[k], got2[k]) for k in got), "not bitwise deterministic"
-    windows = expert_fwd.num_slot_windows(T * K, window_slots)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
     assert windows == (3 if window_slots else 1)  # 2800 slots in windows of 1024
     ups = 2 if policy == "recompute" else 1  # two runs of forward and backward
     assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (2 * ups * windows)

@@ -204,7 +204,8 @@ def _launched_kernels():
     import importlib
 
     out = []
-    for module in ("dispatch", "expert_fwd", "expert_bwd", "down_sm90", "dw_sm90", "gather_sm90"):
+    for module in ("dispatch", "triton.up", "triton.down", "triton.combine", "triton.dh", "triton.dw", "sm90.down",
+                   "sm90.dw", "sm90.gather"):
         mod = importlib.import_module(f"moeblaze_fx.kernels.{module}")
         for name, obj in vars(mod).items():
             while hasattr(obj, "fn") and not hasattr(obj, "params"):  # triton.autotune, triton.heuristics
@@ -244,8 +245,8 @@ def test_token_sized_parameters_are_never_specialized():
         assert sorted(params & L.TOKEN_SIZED) == sorted(names), name
     assert sorted(unspecialized["dispatch._dispatch_scatter_kernel"]) == ["N", "n_tiles", "num_chunks",
                                                                           "num_tile_programs"]
-    assert sorted(unspecialized["expert_fwd._expert_up_kernel"]) == ["num_tiles", "slot1", "tiles_total"]
-    assert sorted(unspecialized["expert_fwd._expert_combine_kernel"]) == ["T", "slot1"]
+    assert sorted(unspecialized["triton.up._expert_up_kernel"]) == ["num_tiles", "slot1", "tiles_total"]
+    assert sorted(unspecialized["triton.combine._expert_combine_kernel"]) == ["T", "slot1"]
 
 
 @pytest.mark.cuda

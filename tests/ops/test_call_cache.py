@@ -118,7 +118,7 @@ def test_cuda_tables_are_kept_without_the_parameters():
 @pytest.mark.cuda
 def test_cuda_one_windows_first_tile_is_kept():
     from moeblaze_fx.kernels.dispatch import dispatch
-    from moeblaze_fx.kernels.expert_fwd import slot_windows
+    from moeblaze_fx.kernels.triton.common import slot_windows
 
     ids = torch.randint(0, 4, (32, 2), device="cuda")
     plan = dispatch(ids, 4)

@@ -171,7 +171,7 @@ def triton_path(monkeypatch):
 def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
     """The forward's dispatch plan (the index structures) is saved and the backward dispatches nothing: one plan a
     step; the saved bytes are x, ids, weights, the plan and, under "activations", the pre-activations."""
-    from moeblaze_fx.kernels import expert_fwd
+    from moeblaze_fx.kernels import autotune
     from moeblaze_fx.kernels.reference import max_tiles
     from moeblaze_fx.passes import saved_bytes_after
 
@@ -180,7 +180,7 @@ def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
     y = []
     saved = _saved(lambda: y.append(moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint)))
     assert len(triton_path) == 1
-    n_tiles = max_tiles(T * K, E, expert_fwd.plan_block_m())
+    n_tiles = max_tiles(T * K, E, autotune.plan_block_m())
     plan_shapes = [(E + 1,), (T * K,), (T * K,), (n_tiles,), (n_tiles,)]
     assert sorted(s for s, dtype, _ in saved if dtype == torch.int32) == sorted(plan_shapes)
     activation_bytes = sum(n for s, _, n in saved if s not in ((E, 2 * h, d), (E, d, h)))
@@ -188,7 +188,7 @@ def test_triton_path_saves_the_forward_plan(triton_path, checkpoint):
         (T * K * 2 * h * 4 if checkpoint == "activations" else 0)
     assert activation_bytes == expected
     # the compile report's "after" column states the same bytes
-    assert saved_bytes_after(T, d, h, K, 4, 8, 4, checkpoint, True, E, expert_fwd.plan_block_m()) == expected
+    assert saved_bytes_after(T, d, h, K, 4, 8, 4, checkpoint, True, E, autotune.plan_block_m()) == expected
     g = torch.randn(T, d, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(y[0], (x, w, wgu, wd), g)
     assert len(triton_path) == 1  # the backward used the saved plan
@@ -243,7 +243,7 @@ def test_split_backward_equals_the_one_operator_backward(path, request):
     bitwise what the one-operator backward does, on the Triton path (interpreted) and on the CPU path's walk of the
     experts; its fakes match; a wrong dA|dB, a plan on the CPU path and a layout whose one parameter holds down and
     gate are refused with the fix named."""
-    from moeblaze_fx.kernels import expert_bwd
+    from moeblaze_fx.kernels import backward
 
     if path == "triton":
         request.getfixturevalue("triton_path")
@@ -272,8 +272,8 @@ def test_split_backward_equals_the_one_operator_backward(path, request):
     else:
         with pytest.raises(ValueError, match=r"phase 'act' runs one window"):
             tables, plan_t = _tables_and_plan(params, layout, plan)
-            expert_bwd.expert_backward(g, x, w, tables, preact, plan_t, "swiglu", grads=tables, recompute=False,
-                                       window_slots=16, phase="act")
+            backward.expert_backward(g, x, w, tables, preact, plan_t, "swiglu", grads=tables, recompute=False,
+                                     window_slots=16, phase="act")
     # gate, up and down in one parameter: its gradient is one buffer, which neither side's operator could return
     E, h, d = 4, 24, 16
     one = torch.cat([wgu.detach().reshape(-1), wd.detach().reshape(-1)])
@@ -364,13 +364,13 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
     """The kernel options are an argument of the call: the plan's tile height follows its pinned configuration (the
     fake's plan shapes too), and the backward runs with the forward's options, whatever is in force when it runs."""
     from moeblaze_fx.config import encode_kernels
-    from moeblaze_fx.kernels import autotune, expert_bwd
+    from moeblaze_fx.kernels import autotune, backward
     from moeblaze_fx.kernels.reference import max_tiles
 
     seen = []
-    backward = expert_bwd.expert_backward
-    monkeypatch.setattr(expert_bwd, "expert_backward", lambda *a, **k: seen.append(autotune.options()) or
-                        backward(*a, **k))
+    real = backward.expert_backward
+    monkeypatch.setattr(backward, "expert_backward", lambda *a, **k: seen.append(autotune.options()) or
+                        real(*a, **k))
     T, d, h, E, K = 40, 16, 24, 4, 2
     x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
@@ -579,7 +579,9 @@ def test_cuda_float32_runs_the_kernels_without_host_sync(T, d, h, E, K, chunk_to
     """float32 on CUDA takes the Triton kernels (exact IEEE products, autotune.FLOAT32_CONFIG), never the Gluon
     kernels (16-bit only, even on shapes they take), with no host synchronisation once compiled; the output and
     every gradient within 1e-4 (relative) of the float64 reference, as eager float32 would be."""
-    from moeblaze_fx.kernels import down_sm90, dw_sm90, gather_sm90
+    from moeblaze_fx.kernels.sm90 import down as sm90_down
+    from moeblaze_fx.kernels.sm90 import dw as sm90_dw
+    from moeblaze_fx.kernels.sm90 import gather as sm90_gather
 
     x, ids, w, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32, device="cuda", route=_with_sentinels)
     g = torch.randn(T, d, generator=torch.Generator().manual_seed(3)).cuda()
@@ -588,7 +590,7 @@ def test_cuda_float32_runs_the_kernels_without_host_sync(T, d, h, E, K, chunk_to
         y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
         return y, *torch.autograd.grad(y, (x, w, wgu, wd), g)
 
-    gluon = (down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches())
+    gluon = (sm90_down.launches(), sm90_dw.launches(), sm90_gather.launches())
     step()  # compiles the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -596,7 +598,7 @@ def test_cuda_float32_runs_the_kernels_without_host_sync(T, d, h, E, K, chunk_to
         got = step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert (down_sm90.launches(), dw_sm90.launches(), gather_sm90.launches()) == gluon
+    assert (sm90_down.launches(), sm90_dw.launches(), sm90_gather.launches()) == gluon
     leaves64 = [t.detach().double().requires_grad_() for t in (x, w, wgu, wd)]
     ref = _ref(leaves64[0], ids, *leaves64[1:])
     want = (ref, *torch.autograd.grad(ref, leaves64, g.double()))

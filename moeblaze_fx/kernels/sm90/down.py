@@ -1,6 +1,6 @@
 """The down kernel for sm_90 (Hopper) in Gluon: persistent and warp-specialized, both operands through TMA.
 
-Same contract as ``expert_fwd._expert_down_kernel`` for one slot window: for every routed slot of the window,
+Same contract as ``triton.down._expert_down_kernel`` for one slot window: for every routed slot of the window,
 ``out[slot] = a[slot, :k] @ B0[e] (+ a[slot, k:2k] @ B1[e]) (+ bias[e])``; forward Y = H @ W_down[e].T, backward
 dX = dA @ W_gate[e] + dB @ W_up[e]. The two kernels compute each output element with the same tile (128 x 256),
 the same 64-wide contraction steps in the same order and the same fp32 bias add, so their outputs are bitwise
@@ -31,30 +31,27 @@ off, with the other Gluon kernels.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
-from .autotune import options
-from .launch import launch, sized
+from ..launch import launch, sized
+from . import common
+from .common import GLUON
 
-try:  # Gluon is experimental: its import (and API) may be missing from a Triton build
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if GLUON:  # the Gluon names as common imported them
+    from .common import (
+        GluonDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-    _GLUON = True
-except ImportError:  # pragma: no cover - depends on the Triton build
-    _GLUON = False
 
-__all__ = ["enabled", "Sm90Weights", "weights", "usable", "down_sm90", "launches"]
+__all__ = ["Sm90Weights", "weights", "usable", "down_sm90", "launches"]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # BLOCK_M is the plan's row tile
 STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
@@ -63,32 +60,7 @@ _PRODUCER_REGS = 40
 _LAUNCHES = [0]
 
 
-if _GLUON:
-    @gluon.jit
-    def _grouped_ids(t, num_m, num_n, GROUP_M: gl.constexpr):
-        """(row tile, column block) of tile ``t``: ``expert_fwd._grouped_tile_ids`` in Gluon (a Gluon kernel cannot
-        call a Triton function)."""
-        in_group = GROUP_M * num_n
-        first_m = (t // in_group) * GROUP_M
-        size = gl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (t % in_group) % size, (t % in_group) // size
-
-    @gluon.jit
-    def _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot0, slot1,
-              GROUP_M: gl.constexpr):
-        """Tile ``t`` of the launch, in the Triton kernel's grouped order: (expert or -1, start, first, end, pid_n);
-        the rows the tile owns are [first, end), as ``expert_fwd._window_tile``."""
-        pid_m, pid_n = _grouped_ids(t, num_m, num_n, GROUP_M)
-        i = pid_m + tile0
-        inside = i < tiles_total
-        i = gl.minimum(i, tiles_total - 1)
-        e = gl.load(tile_expert_ptr + i)
-        start = gl.load(tile_start_ptr + i)
-        end = gl.minimum(gl.load(offsets_ptr + gl.maximum(e, 0) + 1), slot1)
-        first = gl.maximum(start, slot0)
-        e = gl.where(inside & (e >= 0) & (first < end), e, -1)
-        return e, start, first, end, pid_n
-
+if GLUON:
     @gluon.jit
     def _load_step(a_desc, b_desc, a_col, b_row, b_col, a_row, bar, a_buf, b_buf):
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -104,8 +76,8 @@ if _GLUON:
         n_k = gl.cdiv(k_dim, BK)
         g = 0  # steps issued so far, over all of this program's tiles
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            e, start, first, end, pid_n = _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr,
-                                                offsets_ptr, slot0, slot1, GROUP_M)
+            e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+                                                      tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 row = start - slot0  # negative for a tile cut by the window's start: TMA reads zeros there
                 n0 = pid_n * BN
@@ -142,8 +114,8 @@ if _GLUON:
             steps = n_k
         g = 0  # steps consumed so far, over all of this program's tiles
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            e, start, first, end, pid_n = _tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr, tile_start_ptr,
-                                                offsets_ptr, slot0, slot1, GROUP_M)
+            e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+                                                      tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 # Without the fact, ptxas serializes every wgmma (H100; docs/kernels.md).
                 gl.assume(steps > 0)
@@ -218,12 +190,6 @@ if _GLUON:
         ], [1], [PRODUCER_REGS])
 
 
-def enabled() -> bool:
-    """Whether the Gluon kernels (this one, :mod:`.gather_sm90`'s, :mod:`.dw_sm90`'s) may take launches: the kernel
-    option ``gluon`` in force (``autotune.options()``)."""
-    return options().gluon
-
-
 def launches() -> int:
     """How many times this process has launched the kernel (for tests)."""
     return _LAUNCHES[0]
@@ -238,96 +204,37 @@ class Sm90Weights(NamedTuple):
     two_b: bool
 
 
-_SM90: dict[int, bool] = {}
-
-
-def _is_sm90(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM90:
-        _SM90[index] = torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
-    return _SM90[index]
-
-
-def _rows_view(v: torch.Tensor):
-    """(the [rows, cols] view of the storage under an [E, r, c] view with unit column stride, e_rows), or None
-    when expert e's rows are not rows ``e * e_rows ..`` of one such view."""
-    E, r, c = v.shape
-    if v.stride(2) != 1 or v.stride(1) <= 0 or v.stride(0) % v.stride(1) or E == 0 or r == 0 or c == 0:
-        return None
-    e_rows = v.stride(0) // v.stride(1)
-    if E > 1 and e_rows < r:
-        return None  # experts' matrices overlap
-    return torch.as_strided(v, ((E - 1) * e_rows + r, c), (v.stride(1), 1)), e_rows
-
-
-def _layout(block, dtype):
-    return _layout_of(tuple(block), dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _layout_of(block: tuple, dtype):  # a few microseconds a call otherwise, for each of ~17 descriptors a step
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
 def weights(b0: torch.Tensor, b1: torch.Tensor | None, kmajor: bool, k_dim: int) -> Sm90Weights | None:
     """This kernel's view of B0 (and B1 for dX), given as the ``[E, k, n]`` (``kmajor`` False) or ``[E, n, k]``
     (``kmajor`` True) views over which the host's tensor descriptors were built (unit last stride, 16-byte aligned
-    base and strides: ``expert_fwd.weight_tma_mode``). None when the kernel cannot take them: Gluon missing or
+    base and strides: ``triton.common.weight_tma_mode``). None when the kernel cannot take them: Gluon missing or
     switched off, not an sm_90 device, not 16-bit, two tables with k contiguous, k % 64 with n contiguous, or
     experts that are not row blocks of one view."""
-    if not (_GLUON and enabled() and b0.is_cuda and _is_sm90(b0.device)):
+    if not (GLUON and common.enabled() and b0.is_cuda and common.is_sm90(b0.device)):
         return None
     if b0.dtype not in (torch.bfloat16, torch.float16) or (b1 is not None and (b1.dtype != b0.dtype or kmajor)):
         return None
     if k_dim <= 0 or (not kmajor and k_dim % BLOCK_K):
         return None
     block = [BLOCK_N, BLOCK_K] if kmajor else [BLOCK_K, BLOCK_N]
-    got = _row_block_descs([b0, b1 if b1 is not None else b0], block)
+    got = common.row_block_descs([b0, b1 if b1 is not None else b0], block)
     return None if got is None else Sm90Weights(*got, kmajor, b1 is not None)
-
-
-def _row_block_descs(views: list, block: list[int]) -> tuple[tuple, tuple] | None:
-    """(Gluon descriptors with ``block`` over each ``[E, r, c]`` view's storage rows, each view's rows from one
-    expert to the next), or None when some view's experts are not row blocks of one view (:func:`_rows_view`).
-    The views' bases and row strides are 16-byte aligned: ``expert_fwd.weight_tma_mode`` proved it."""
-    descs, e_rows = [], []
-    for v in views:
-        rv = _rows_view(v)
-        if rv is None:
-            return None
-        descs.append(GluonDescriptor.from_tensor(rv[0], block, _layout(block, v.dtype)))
-        e_rows.append(rv[1])
-    return tuple(descs), tuple(e_rows)
-
-
-def _rows_ok(t: torch.Tensor) -> bool:
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 def usable(a: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
     """Whether the window's ``a`` (slot rows) and ``out`` can be read and written through TMA here: unit column
     strides, 16-byte aligned bases and row strides, out of a's dtype, and plan row tiles of ``BLOCK_M``."""
-    return block_m == BLOCK_M and out.dtype == a.dtype and _rows_ok(a) and _rows_ok(out)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return block_m == BLOCK_M and out.dtype == a.dtype and common.rows_ok(a) and common.rows_ok(out)
 
 
 def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out: torch.Tensor,
               bias: torch.Tensor | None, window) -> torch.Tensor:
-    """``expert_fwd.down_project`` through this kernel (``w`` from :func:`weights`, ``usable(a, out, ..)`` true)."""
+    """``triton.down.down_project`` through this kernel (``w`` from :func:`weights`, ``usable(a, out, ..)`` true)."""
     a_view = a[:, :2 * k_dim] if w.two_b else a[:, :k_dim]  # columns past the view read as zeros
-    a_desc = GluonDescriptor.from_tensor(a_view, [BLOCK_M, BLOCK_K], _layout([BLOCK_M, BLOCK_K], a.dtype))
-    c_desc = GluonDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], _layout([BLOCK_M, BLOCK_N], out.dtype))
+    a_desc = GluonDescriptor.from_tensor(a_view, [BLOCK_M, BLOCK_K], common.layout([BLOCK_M, BLOCK_K], a.dtype))
+    c_desc = GluonDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], common.layout([BLOCK_M, BLOCK_N], out.dtype))
     num_n = -(-n_dim // BLOCK_N)
-    grid = (min(_sm_count(a.device), window.num_tiles * num_n),)
+    grid = (min(common.sm_count(a.device), window.num_tiles * num_n),)
     launch(
         _expert_down_sm90_kernel, grid,
         a_desc, *w.descs, c_desc, out, bias if bias is not None else out, window.tile0, plan.tile_expert,

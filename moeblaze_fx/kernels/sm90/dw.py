@@ -1,7 +1,7 @@
 """The weight-gradient kernel for sm_90 (Hopper) in Gluon: persistent and warp-specialized, the down kernel's structure
-(:mod:`.down_sm90`) with a gathering producer.
+(:mod:`.down`) with a gathering producer.
 
-Same contract as ``expert_bwd._expert_dw_kernel`` for 16-bit operands and a 16-bit output: for one slot window,
+Same contract as ``triton.dw._expert_dw_kernel`` for 16-bit operands and a 16-bit output: for one slot window,
 ``dW[e] (+)= sum over e's slots s in the window of a[token(s)].T @ b[s - slot0]``, written through a table. An expert
 whose slots start in this window (or one with no slots that is this window's to write) gets the contribution (zeros
 when it has no slots here); one whose slots started in an earlier window, or every expert with slots when
@@ -31,20 +31,20 @@ those copies land under the A stage's barrier.
 H100, raw launches, same process (2026-11-22): 10-12 % faster at config C, 6-7 % at D, 1-3 % at A
 (docs/dw.md). :func:`usable` says when a launch qualifies; everything else takes the
 Triton kernel. Gluon has no interpreter, so the CPU tests cannot run this kernel. The kernel option ``gluon=False``
-turns it off (``down_sm90.enabled``).
+turns it off (``common.enabled``).
 """
 from __future__ import annotations
 
 import torch
 
-from . import down_sm90
-from .down_sm90 import _GLUON
-from .launch import launch, sized
+from ..launch import launch, sized
+from . import common
+from .common import GLUON
 
-if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
+if GLUON:  # the Gluon names as common imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from .down_sm90 import (
+    from .common import (
         GluonDescriptor,
         fence_async_shared,
         gl,
@@ -59,7 +59,7 @@ __all__ = ["usable", "dw_sm90", "launches", "store_launches"]
 
 TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
 # a's 16 KB and b's 32 KB stages: with the 64 KB output tile, 224 KB of shared memory (a fourth stage of the
-# gathered operand, as in gather_sm90)
+# gathered operand, as in gather)
 A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8
 _PRODUCER_REGS = 96
@@ -67,7 +67,7 @@ _LAUNCHES = [0]
 _STORE_LAUNCHES = [0]  # launches whose tiles left through TMA stores
 
 
-if _GLUON:
+if GLUON:
     BM: gl.constexpr = gl.constexpr(TILE[0])
     BN: gl.constexpr = gl.constexpr(TILE[1])
     BK: gl.constexpr = gl.constexpr(TILE[2])
@@ -80,7 +80,7 @@ if _GLUON:
         value."""
         per_e = num_m * num_n
         e = t // per_e
-        pid_m, pid_n = down_sm90._grouped_ids(t % per_e, num_m, num_n, GROUP_M)
+        pid_m, pid_n = common.grouped_ids(t % per_e, num_m, num_n, GROUP_M)
         lo = gl.load(offsets_ptr + e)
         hi = gl.load(offsets_ptr + e + 1)
         seg_lo = gl.maximum(lo, slot0)
@@ -179,10 +179,10 @@ if _GLUON:
                         acc = warpgroup_mma(a_bufs.index(sa).permute((1, 0)), b_bufs.index(sb), acc,
                                             use_acc=(k > 0) | MAY_ADD, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                        release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
+                        common.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                         g += 1
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    release(empty_a, empty_b, g - 1, SA, SB, True)
+                    common.release(empty_a, empty_b, g - 1, SA, SB, True)
                     tile = acc.to(dtype)
                 else:  # no slots here: this window writes the expert's zeros
                     tile = gl.zeros([BM, BN], dtype, layout=mma)
@@ -206,25 +206,6 @@ if _GLUON:
                     gl.store(out_e + (r[:, None] * stride_o_m + c[None, :] * stride_o_n), v,
                              mask=(r < m_dim)[:, None] & (c < n_dim)[None, :])
         tma.store_wait(0)
-
-    @gluon.jit
-    def ring_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
-        """(ready, empty) of a ring of ``STAGES``: ready counts ``READY_COUNT`` arrivals (128 where each thread of a
-        4-warp producer arrives when its cp.async copies land; 1 where TMA copies complete it), empty one arrival
-        of the consumers."""
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=READY_COUNT)
-            mbarrier.init(empty.index(i), count=1)
-        return ready, empty
-
-    @gluon.jit
-    def release(empty_a, empty_b, g, SA: gl.constexpr, SB: gl.constexpr, pred):
-        """Step ``g``'s stages of both rings are free again: its MMA is done (``g`` may be -1 where ``pred`` is
-        false)."""
-        mbarrier.arrive(empty_a.index((g + SA) % SA), pred=pred)
-        mbarrier.arrive(empty_b.index((g + SB) % SB), pred=pred)
 
     @sized(gluon.jit)
     def _expert_dw_sm90_kernel(
@@ -254,8 +235,8 @@ if _GLUON:
             else:
                 c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
             c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
-        ready_a, empty_a = ring_barriers(A_STAGES, 128)
-        ready_b, empty_b = ring_barriers(B_STAGES, 1)
+        ready_a, empty_a = common.ring_barriers(A_STAGES, 128)
+        ready_b, empty_b = common.ring_barriers(B_STAGES, 1)
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_tiles, num_m, num_n = gl.to_tensor(num_tiles), gl.to_tensor(num_m), gl.to_tensor(num_n)
         m_dim, n_dim = gl.to_tensor(m_dim), gl.to_tensor(n_dim)
@@ -287,11 +268,11 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
     output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
     (``out``, a :class:`~.tables.WeightTable`) of [rows, cols] multiples of the tile's [128, 256] (the copies never
     cross a row's end), with one unit stride, the other a multiple of 16 bytes, and 16-byte aligned matrices."""
-    if not (_GLUON and down_sm90.enabled() and tokens.is_cuda and down_sm90._is_sm90(tokens.device)):
+    if not (GLUON and common.enabled() and tokens.is_cuda and common.is_sm90(tokens.device)):
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
         return False
-    if slots.numel() == 0 or not (down_sm90._rows_ok(tokens) and down_sm90._rows_ok(slots)) or out_align < 16:
+    if slots.numel() == 0 or not (common.rows_ok(tokens) and common.rows_ok(slots)) or out_align < 16:
         return False
     return table_ok(out)
 
@@ -317,26 +298,26 @@ def _store_desc(out):
     if out.dense is None:
         return None
     col = out.stride_c != 1
-    rv = down_sm90._rows_view(out.dense.transpose(1, 2) if col else out.dense)
+    rv = common.rows_view(out.dense.transpose(1, 2) if col else out.dense)
     if rv is None:
         return None
     block = [TILE[1], TILE[0]] if col else [TILE[0], TILE[1]]
-    return GluonDescriptor.from_tensor(rv[0], block, down_sm90._layout(block, out.dtype)), rv[1]
+    return GluonDescriptor.from_tensor(rv[0], block, common.layout(block, out.dtype)), rv[1]
 
 
 def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumulate: bool,
             window: tuple[int, int, int]) -> None:
-    """``expert_bwd._weight_grad`` through this kernel (:func:`usable` true)."""
+    """``triton.dw.weight_grad`` through this kernel (:func:`usable` true)."""
     slot0, slot1, own_end = window
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
-    layout = down_sm90._layout([TILE[2], TILE[1]], slots.dtype)
+    layout = common.layout([TILE[2], TILE[1]], slots.dtype)
     b_desc = GluonDescriptor.from_tensor(slots, [TILE[2], TILE[1]], layout)
     store = _store_desc(out)
     c_desc, e_rows = store if store is not None else (out.ptrs, 0)
     num_m, num_n = -(-m_dim // TILE[0]), -(-n_dim // TILE[1])
     num_tiles = E * num_m * num_n
     launch(
-        _expert_dw_sm90_kernel, (min(down_sm90._sm_count(tokens.device), num_tiles),),
+        _expert_dw_sm90_kernel, (min(common.sm_count(tokens.device), num_tiles),),
         tokens, slots, b_desc, out.ptrs, c_desc, e_rows, plan.token_index, plan.offsets, num_tiles, num_m, num_n,
         m_dim, n_dim, K, slot0, slot1, own_end, tokens.stride(0), slots.stride(0), out.stride_r, out.stride_c,
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, STORE_TMA=store is not None,

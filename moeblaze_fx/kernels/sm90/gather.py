@@ -1,14 +1,14 @@
 """The gathering GEMMs for sm_90 (Hopper) in Gluon: the up projection and dh's GEMM, persistent and
-warp-specialized, the structure of :mod:`.down_sm90` with a producer that gathers token rows.
+warp-specialized, the structure of :mod:`.down` with a producer that gathers token rows.
 
 Both multiply rows gathered through the token index by one expert's weights, tile by tile over a slot window's row
 tiles (the plan's 128-slot tiles):
 
-* the forward up projection (``expert_fwd._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
+* the forward up projection (``triton.up._expert_up_kernel``, a gated activation of :data:`ACTIVATIONS`: SwiGLU,
   its clamped and soft-capped forms and the GeGLUs, no biases): ``A|B = x[tok(s)] @ W_{gate|up}[e].T``, rounded
   to x's dtype; the epilogue stores A|B (when the policy keeps them) and H (``silu(A) * B`` for SwiGLU) computed
   from the rounded values;
-* the GEMM of the backward's dh (``expert_bwd._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
+* the GEMM of the backward's dh (``triton.dh._expert_dh_kernel`` with PHASE 1): ``dH' = dy[tok(s)] @ W_down[e]``,
   rounded to x's dtype and stored;
 * the same GEMM with the activation's backward of ``_expert_dh_kernel``'s PHASE 2 fused (``_dh_act_sm90_kernel``,
   where A|B are kept and h % 16 == 0): the rounded dH' stays in shared memory, and the next tile's K loop computes
@@ -24,12 +24,12 @@ tests compare them. One exception: the fused dh sums each row's 64 products of <
 which can round differently from the Triton epilogue's where h % 64 != 0 (that kernel then loads through wrapped
 columns, and Triton lays its tile out otherwise).
 
-One program per SM walks the output tiles in the Triton kernels' grouped order (``down_sm90._tile``):
+One program per SM walks the output tiles in the Triton kernels' grouped order (``common.tile``):
 
 * one producer warpgroup fills two rings of shared buffers: ``A_STAGES`` of the tile's 128 token rows, 64 columns a
   step, gathered with cp.async (the token indices loaded once a tile; rows outside the tile's own read a row it owns),
   and ``B_STAGES`` of the weight tiles through TMA over 2-D descriptors of the tables' storage
-  (``down_sm90.weights``' views). A step's rows are issued as soon as their stage is free, before the producer waits
+  (``down.weights``' views). A step's rows are issued as soon as their stage is free, before the producer waits
   for the weights' stage, so the gather runs one step further ahead than the TMA copies. Each producer thread
   arrives on the A stage's barrier when its copies land, the TMA copies complete the B stage's;
 * the default partition (8 warps, two warpgroups of 64 rows) multiplies into one 128 x 256 fp32 accumulator: for
@@ -44,7 +44,7 @@ One program per SM walks the output tiles in the Triton kernels' grouped order (
 :func:`up_usable`, :func:`dh_usable` and :func:`dh_act_usable` say when a launch qualifies; everything else takes
 the Triton kernels (dh where the fused kernel does not apply: its GEMM here, its epilogue as a Triton launch).
 Gluon has no interpreter, so the CPU tests cannot run these kernels. The kernel option ``gluon=False``
-(``config.KernelOptions``) turns them off (``down_sm90.enabled``).
+(``config.KernelOptions``) turns them off (``common.enabled``).
 """
 from __future__ import annotations
 
@@ -52,16 +52,16 @@ from typing import NamedTuple
 
 import torch
 
-from . import act as act_math
-from . import down_sm90, dw_sm90
-from .launch import launch, sized
-from .down_sm90 import _GLUON
-from .reference import GATED_ACTIVATIONS
+from .. import act as act_math
+from ..launch import launch, sized
+from ..reference import GATED_ACTIVATIONS
+from . import common
+from .common import GLUON
 
-if _GLUON:  # the Gluon names as down_sm90 imported them, and cp.async
+if GLUON:  # the Gluon names as common imported them, and cp.async
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-    from .down_sm90 import (
+    from .common import (
         GluonDescriptor,
         fence_async_shared,
         gl,
@@ -86,12 +86,12 @@ _PRODUCER_REGS = 96
 _LAUNCHES = [0]
 _ACT_LAUNCHES = [0]
 # The activations the up kernel's and the fused dh's epilogues take: every gated one (the plain ones, without an up
-# projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act._act_forward``,
-# ``act._act_backward``) with their ACT code.
+# projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act.act_forward``,
+# ``act.act_backward``) with their ACT code.
 ACTIVATIONS = frozenset(GATED_ACTIVATIONS)
 
 
-if _GLUON:
+if GLUON:
     BM: gl.constexpr = gl.constexpr(BLOCK_M)
     BK: gl.constexpr = gl.constexpr(BLOCK_K)
 
@@ -122,8 +122,8 @@ if _GLUON:
         n_k = k_dim // BK  # k_dim % BK == 0 (usable)
         g = 0  # steps issued so far, over all of this program's tiles
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
-                                                          tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
+            e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+                                                      tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 # rows outside [first, end) re-read one the tile owns: no masks, the stores drop them
                 tok = gl.load(token_index_ptr + gl.minimum(gl.maximum(start + rs, first), end - 1)) // K
@@ -203,7 +203,7 @@ if _GLUON:
     def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, ab_smem, p,
                       NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
         """The activation's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
-        ``expert_bwd._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
+        ``triton.dh._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
         below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``ab_smem``
         buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (zeros past ``n_dim``, whose columns
         are masked anyway); ``w_blocks``: the tile's routing weights (fp32) by row block."""
@@ -218,7 +218,7 @@ if _GLUON:
         a = ab_smem.index(2 * p).load(st).to(gl.float32)
         b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
         d_hid = dh * wt[:, None]
-        hid, d_a, d_b = act_math._act_backward(a, b, d_hid, epi[10], epi[11], ACT)
+        hid, d_a, d_b = act_math.act_backward(a, b, d_hid, epi[10], epi[11], ACT)
         part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
         mask = row_ok[:, None] & col_ok[None, :]
         local = (rows - slot0).to(gl.int64)[:, None]
@@ -248,7 +248,7 @@ if _GLUON:
     @gluon.jit
     def _up_h_run(blocks, c0_ptr, stride_c0, done, target, start, first, end, n0, slot0, n_dim, alpha, limit,
                   NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
-        """H (``act._act_forward``, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
+        """H (``act.act_forward``, e.g. silu(A) * B) of the pending tile's blocks from ``done`` up to ``target``, each
         RB rows x 64 columns of H: A and B read back rounded from the tile in shared memory (``blocks``: A's column
         blocks, then B's), H stored through pointers (rows in [first, end), columns below ``n_dim``); returns the
         blocks done."""
@@ -258,7 +258,7 @@ if _GLUON:
             rows, cols = _block_at(done, start, n0, NR, RB, st)
             a = blocks.index(done).load(st).to(gl.float32)
             b = blocks.index(done + NH).load(st).to(gl.float32)
-            hid = act_math._act_forward(a, b, alpha, limit, ACT).to(dtype)
+            hid = act_math.act_forward(a, b, alpha, limit, ACT).to(dtype)
             mask = ((rows >= first) & (rows < end))[:, None] & (cols < n_dim)[None, :]
             gl.store(c0_ptr + (rows - slot0).to(gl.int64)[:, None] * stride_c0 + cols[None, :], hid, mask=mask)
             done += 1
@@ -310,8 +310,8 @@ if _GLUON:
         p_n0 = gl.to_tensor(0)
 
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            e, start, first, end, pid_n = down_sm90._tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
-                                                          tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
+            e, start, first, end, pid_n = common.tile(t, num_m, num_n, tile0, tiles_total, tile_expert_ptr,
+                                                      tile_start_ptr, offsets_ptr, slot0, slot1, GROUP_M)
             if e >= 0:
                 gl.assume(n_k > 0)  # else ptxas serializes every wgmma (H100; docs/kernels.md)
                 if ACT_EPI:  # this tile's routing weights, loaded while its K loop runs
@@ -333,7 +333,7 @@ if _GLUON:
                         b = b_bufs.index(sb)
                     acc = warpgroup_mma(a_bufs.index(sa), b, acc, use_acc=k > 0, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
+                    common.release(empty_a, empty_b, g - 1, SA, SB, k > 0)  # step k - 1's MMA is done
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
@@ -343,7 +343,7 @@ if _GLUON:
                                          p_end, p_n0, slot0, n_dim, epi[10], epi[11], NR, RB, ep, ACT)
                 n0 = pid_n * BNH
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                dw_sm90.release(empty_a, empty_b, g - 1, SA, SB, True)
+                common.release(empty_a, empty_b, g - 1, SA, SB, True)
                 row = start - slot0
                 full = (first == start) & (end - start == BM) & (n0 + BNH <= n_dim)
                 if ACT_EPI:  # this tile's epilogue is pending: it runs during the next tile's K loop
@@ -388,7 +388,7 @@ if _GLUON:
         c0_ptr, c1_ptr,  # the same buffers, for ragged tiles
         token_index_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
         num_m, num_n, tiles_total, slot0, slot1, k_dim, n_dim,
-        K: gl.constexpr,  # a compile-time constant, as in dw_sm90 (a runtime division costs dozens of instructions)
+        K: gl.constexpr,  # a compile-time constant, as in dw (a runtime division costs dozens of instructions)
         stride_a, e_rows0, e_rows1, stride_c0, stride_c1,
         pre_ptr, dpre_ptr, part_ptr, weights_ptr,  # ACT_EPI: A|B, dA|dB [.., 2n], partials, routing weights
         stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k,
@@ -414,8 +414,8 @@ if _GLUON:
         b_bufs = gl.allocate_shared_memory(dtype, [B_STAGES] + b_block,
                                            gl.NVMMASharedLayout.get_default_for(b_block, dtype))
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
-        ready_a, empty_a = dw_sm90.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
-        ready_b, empty_b = dw_sm90.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
+        ready_a, empty_a = common.ring_barriers(A_STAGES, 128)  # ready: one arrival a producer thread
+        ready_b, empty_b = common.ring_barriers(B_STAGES, 1)  # ready: completed by the TMA copies
         # Integer arguments equal to 1 arrive as Python ints, which a partition cannot take: make them tensors.
         num_m, num_n, tiles_total = gl.to_tensor(num_m), gl.to_tensor(num_n), gl.to_tensor(tiles_total)
         slot0, slot1 = gl.to_tensor(slot0), gl.to_tensor(slot1)
@@ -501,14 +501,14 @@ class GatherWeights(NamedTuple):
 
 def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeights | None:
     """Descriptors with blocks of ``block_n`` x 64 over each view's row blocks (see :func:`up_weights`)."""
-    if not (_GLUON and down_sm90.enabled() and views[0].is_cuda and down_sm90._is_sm90(views[0].device)):
+    if not (GLUON and common.enabled() and views[0].is_cuda and common.is_sm90(views[0].device)):
         return None
     if views[0].dtype not in (torch.bfloat16, torch.float16) or any(v.dtype != views[0].dtype for v in views):
         return None
     if k_dim <= 0 or k_dim % BLOCK_K:  # (with rows = k, the next expert's rows would be summed in)
         return None
     block = [block_n, BLOCK_K] if kmajor else [BLOCK_K, block_n]
-    got = down_sm90._row_block_descs(views, block)
+    got = common.row_block_descs(views, block)
     if got is None:
         return None
     descs, e_rows = got
@@ -519,8 +519,8 @@ def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeigh
 
 def up_weights(gate, up, kmajor: bool, d: int) -> GatherWeights | None:
     """The up kernel's view of W_gate and W_up, given as the ``[E, d, h]`` (``kmajor`` False) or ``[E, h, d]``
-    (``kmajor`` True) views over which ``expert_fwd`` builds descriptors (unit last stride, 16-byte aligned base
-    and strides: ``expert_fwd.weight_tma_mode``). None when this kernel cannot take them: Gluon missing or switched
+    (``kmajor`` True) views over which ``triton.common`` builds descriptors (unit last stride, 16-byte aligned base
+    and strides: ``triton.common.weight_tma_mode``). None when this kernel cannot take them: Gluon missing or switched
     off, not an sm_90 device, not 16-bit, d % 64, or experts that are not row blocks of one view."""
     if gate is None or up is None:
         return None
@@ -535,8 +535,8 @@ def dh_weights(down, kmajor: bool, d: int) -> GatherWeights | None:
 
 
 def _gather_ok(a: torch.Tensor, outs: list[torch.Tensor], block_m: int) -> bool:
-    return (block_m == BLOCK_M and a.dtype in (torch.bfloat16, torch.float16) and down_sm90._rows_ok(a)
-            and all(o.dtype == a.dtype and down_sm90._rows_ok(o) for o in outs))
+    return (block_m == BLOCK_M and a.dtype in (torch.bfloat16, torch.float16) and common.rows_ok(a)
+            and all(o.dtype == a.dtype and common.rows_ok(o) for o in outs))
 
 
 def up_usable(x: torch.Tensor, hid: torch.Tensor, pre: torch.Tensor | None, act_name: str, biased: bool,
@@ -559,9 +559,9 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
     ``act``: the activation (an ``Activation`` named in :data:`ACTIVATIONS`) of the up kernel and the fused dh;
     ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own."""
     block = [BLOCK_M, block_n]
-    c0_desc = GluonDescriptor.from_tensor(c0, block, down_sm90._layout(block, c0.dtype))
+    c0_desc = GluonDescriptor.from_tensor(c0, block, common.layout(block, c0.dtype))
     c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
-    c1_desc = GluonDescriptor.from_tensor(c1, block, down_sm90._layout(block, c1.dtype)) if c1 is not c0 else c0_desc
+    c1_desc = GluonDescriptor.from_tensor(c1, block, common.layout(block, c1.dtype)) if c1 is not c0 else c0_desc
     if epi is None:  # placeholders, never read
         pre, dpre, part, weights = c0, c0, c0, c0
         epi_strides = (0, 0, 0, 0, 0)
@@ -569,7 +569,7 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         pre, dpre, part, weights = epi
         epi_strides = (pre.stride(0), dpre.stride(0), part.stride(0), weights.stride(0), weights.stride(1))
     num_n = -(-n_dim // block_n)
-    grid = (min(down_sm90._sm_count(a.device), window.num_tiles * num_n),)
+    grid = (min(common.sm_count(a.device), window.num_tiles * num_n),)
     launch(
         kernel, grid,
         a, *w.descs, c0_desc, c1_desc, c0, c1, plan.token_index, window.tile0, plan.tile_expert, plan.tile_start,
@@ -618,7 +618,7 @@ def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: t
 def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hw: torch.Tensor,
                 pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor, act) -> None:
     """dh's GEMM and its activation's epilogue in one launch (:func:`dh_act_usable` true), the results of the split's
-    two launches (``expert_bwd._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
+    two launches (``triton.dh._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
     ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N + 1]``, by
     slot); ``pre`` is the saved A|B from the window's first slot."""
     _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, act, (pre, dpre, part, weights))
