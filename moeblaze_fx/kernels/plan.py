@@ -187,11 +187,11 @@ def backward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int
     dx = down_unit(w.gate, w.up, True, h, x) if dx_phase else None
     split = tdh.DH_SPLIT
     dh_sm90 = _dh_sm90_weights(w, d, x) if split and act_phase else None
-    up_sm90 = up_sm90_weights(w, d, tup.up_weight_mode(w, x)[1], x) if recompute and dh_sm90 is not None else None
+    up_mode = tup.up_weight_mode(w, x) if recompute else None  # the up kernel's (align, w_tma), for either recompute
+    up_sm90 = up_sm90_weights(w, d, up_mode[1], x) if recompute and dh_sm90 is not None else None
     # the dh kernel's own recomputation would read interleaved weights with a 2-element stride (element-wise
     # gathers); as the Gluon path above does, each A|B element is read before it is written, by the program that
     # writes it. Only split: the epilogue launch (dh_act) has one configuration, never re-run by the tuner over its
     # own output.
     recompute_up = recompute and split and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
-    up_mode = tup.up_weight_mode(w, x) if recompute_up else None
-    return BackwardPlan(windows, dx, dh_sm90, up_sm90, up_mode, recompute, split, biased)
+    return BackwardPlan(windows, dx, dh_sm90, up_sm90, up_mode if recompute_up else None, recompute, split, biased)
