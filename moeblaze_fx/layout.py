@@ -117,10 +117,11 @@ def _contiguous_or_transposed(t: Tensor) -> bool:
     return t.is_contiguous() or t.transpose(-1, -2).is_contiguous()
 
 
-def role_value(params: Sequence[Tensor], v: RoleView, E: int) -> Tensor | list[Tensor]:
-    """The role as an ``[E, rows, cols]`` view (count 1) or a list of E ``[rows, cols]`` views."""
+def role_value(params: Sequence[Tensor], v: RoleView, E: int, detached: bool = False) -> Tensor | list[Tensor]:
+    """The role as an ``[E, rows, cols]`` view (count 1) or a list of E ``[rows, cols]`` views. ``detached``: the
+    count-1 view is one of ``detach()`` of the parameter, which holds its memory but not the parameter itself."""
     if v.count == 1:
-        p = params[v.first]
+        p = params[v.first].detach() if detached else params[v.first]
         return p.as_strided((E, v.rows, v.cols), (v.stride_e, v.stride_r, v.stride_c), p.storage_offset() + v.offset)
     return [p.as_strided((v.rows, v.cols), (v.stride_r, v.stride_c), p.storage_offset() + v.offset)
             for p in params[v.first: v.first + v.count]]

@@ -178,7 +178,8 @@ def _dense_storage(p: Tensor) -> bool:
 
 def _check_ids_range(ids: Tensor) -> None:
     # Ids >= E mean "no expert" (the contract); a negative id is a bug in the router. On the CPU the
-    # check is free of consequence; on CUDA it is an asynchronous device assert (no host sync).
+    # check is free of consequence; on CUDA it is an asynchronous device assert (no host sync). The Triton path
+    # checks in its dispatch's first launch instead (kernels.dispatch, check_ids): three launches fewer a forward.
     if ids.numel() == 0:
         return
     if ids.device.type == "cpu":
@@ -190,26 +191,29 @@ def _check_ids_range(ids: Tensor) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
-    """(dispatch, forward, backward, tables, autotune, triton.common) modules, or None where Triton or the kernels
-    are missing."""
+    """(dispatch, forward, backward, tables, autotune, triton.common, plan) modules, or None where Triton or the
+    kernels are missing."""
     try:
-        from .kernels import autotune, backward, dispatch, forward, tables
+        from .kernels import autotune, backward, dispatch, forward, plan, tables
         from .kernels.triton import common
     except ImportError as exc:
         log.debug("moeblaze: Triton kernels unavailable (%s); using the PyTorch implementation", exc)
         return None
-    return dispatch, forward, backward, tables, autotune, common
+    return dispatch, forward, backward, tables, autotune, common, plan
 
 
 def _use_triton(x: Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _triton_kernels() is not None
 
 
-def _make_plan(ids: Tensor, num_experts: int, block_m: int) -> DispatchPlan:
-    """The dispatch plan (the Triton dispatch on CUDA, run with the kernel options in force)."""
+def _make_plan(ids: Tensor, num_experts: int, block_m: int, check_ids: bool = False) -> DispatchPlan:
+    """The dispatch plan (the Triton dispatch on CUDA, run with the kernel options in force; with ``check_ids``, a
+    negative id fails there, see ``kernels.dispatch.dispatch``)."""
     kernels = _triton_kernels() if ids.is_cuda else None
     if kernels is not None:
-        return kernels[0].dispatch(ids, num_experts, block_m=block_m)
+        return kernels[0].dispatch(ids, num_experts, block_m, check_ids)
+    if check_ids:
+        _check_ids_range(ids)
     return reference.dispatch_reference(ids, num_experts, block_m=block_m)
 
 
@@ -245,8 +249,8 @@ def _tables(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int):
     def table(v):
         if v is None:
             return None
-        if v.count == 1:
-            return tables.table_of(role_value(params, v, E))
+        if v.count == 1:  # (a view of the detached parameter: the plan may keep it, see _expert_weights)
+            return tables.table_of(role_value(params, v, E, detached=True))
         group = params[v.first: v.first + v.count]  # checked alike in shape, strides and dtype
         size = group[0].element_size()
         return tables.table_of_addresses(tuple(p.data_ptr() + v.offset * size for p in group), v.rows, v.cols,
@@ -263,6 +267,7 @@ def _biases(params: Sequence[Tensor], views: Sequence[RoleView | None], E: int) 
 class _KernelWeights(NamedTuple):
     tables: object  # kernels.tables.ExpertTables
     biases: list  # gate, up, down bias: contiguous [E, n] or None
+    units: object  # kernels.plan.UnitsKey under which the kernels' plans may keep their weight units, or None
 
 
 def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], E: int,
@@ -271,12 +276,14 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     for the plain-PyTorch path. With ``key`` (:func:`_weights_key` of ``params`` and the layout of ``views``), the
     tables' pointers are kept for later calls with the same key, dtype and stream where they may be
     (``tables.cacheable``); what is kept holds no parameter, so it keeps none alive: each call views the parameters
-    again (the tables' ``dense``, the biases)."""
+    again (the tables' ``dense``, the biases). The kernels' plans then keep their weight units (descriptors over
+    the tables' ``dense`` views, which are views of the detached parameters) under the same key until one of the
+    parameters goes (``kernels.plan.UnitsKey``)."""
     if not _use_triton(x):
         return dense_experts(params, views, E)
     tables = _triton_kernels()[3]
     if key is None or not tables.cacheable(x.device):
-        return _KernelWeights(_tables(params, views, E), _biases(params, views, E))
+        return _KernelWeights(_tables(params, views, E), _biases(params, views, E), None)
     key = (key, x.dtype, tables.stream_key(x.device))
     kept = _WEIGHTS.get(key)
     if kept is None:
@@ -284,8 +291,9 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
         _remember(_WEIGHTS, key, tables.ExpertTables(*[None if t is None else t._replace(dense=None) for t in built]))
     else:  # the same tables over this call's views of the parameters
         built = tables.ExpertTables(*[None if t is None else t if v.count > 1 else t._replace(
-            dense=role_value(params, v, E)) for t, v in zip(kept, views[:3])])
-    return _KernelWeights(built, _biases(params, views, E))
+            dense=role_value(params, v, E, detached=True)) for t, v in zip(kept, views[:3])])
+    owners = tuple(params[v.first] for v in views[:3] if v is not None and v.count == 1) or (params[0],)
+    return _KernelWeights(built, _biases(params, views, E), _triton_kernels()[6].UnitsKey(key, owners))
 
 
 # An operator step makes four calls (the forward and the three backward operators), and each checked its arguments
@@ -348,7 +356,8 @@ def _moe_ffn(
     wkey = _weights_key(params, layout)
     h, act = _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey)
     opts = decode_kernels(kernel_options)
-    _check_ids_range(ids)
+    if not _use_triton(x):  # (the Triton path's dispatch checks them)
+        _check_ids_range(ids)
     with _using(opts, x.dtype):
         return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
 
@@ -360,9 +369,9 @@ def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, 
     width = (2 if act.gated else 1) * h
     experts = _expert_weights(x, params, views, E, wkey)
     if isinstance(experts, _KernelWeights):  # one plan; windows of chunk_tokens * K slots bound the transients
-        plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
+        plan = _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype), True)
         y, preact = _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
-                                                        window_slots=chunk_tokens * K)
+                                                        window_slots=chunk_tokens * K, units_key=experts.units)
         return y, preact, list(plan)  # saved for backward: the backward does not dispatch again
     chunks = _chunks(T, chunk_tokens)
     if len(chunks) == 1:
@@ -548,7 +557,8 @@ def _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, re
     plan = DispatchPlan(*plan) if plan else _make_plan(ids, E, plan_block_m(x.device, opts, x.dtype))
     out, dweights, *dbias = bwd.expert_backward(grad_y, x, weights, experts.tables, preact, plan, act,
                                                 *experts.biases, grads=grad_tables, recompute=recompute,
-                                                window_slots=window_slots, phase=phase, dpre=dpre)
+                                                window_slots=window_slots, phase=phase, dpre=dpre,
+                                                units_key=experts.units)
     for v, g in zip(views[3:], dbias):
         if v is not None and g is not None:
             _store_role(bufs(), v, E, g, False)

@@ -69,7 +69,7 @@ import triton
 from torch import Tensor
 
 from .autotune import dweights_chunk
-from .plan import BackwardPlan, backward_plan
+from .plan import BackwardPlan, UnitsKey, backward_plan
 from .reference import Activation, DispatchPlan
 from .sm90 import dw as sm90_dw
 from .sm90 import gather as sm90_gather
@@ -118,7 +118,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     plan: DispatchPlan, activation: "Activation | str",
                     gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                     *, grads: ExpertTables | None, recompute: bool, accumulate: bool = False, window_slots: int = 0,
-                    phase: str = "all", dpre: Tensor | None = None,
+                    phase: str = "all", dpre: Tensor | None = None, units_key: UnitsKey | None = None,
                     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(dx [T, d] x.dtype, dweights [T, K] weights.dtype, d_gate_bias, d_up_bias, d_down_bias).
 
@@ -143,7 +143,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     ``dpre`` and runs dX and its combine, returning (dx, None, None, None, None) (``grads`` is not used: it may be
     None); ``"dw"`` takes the same ``dpre`` and runs dW_gate|up and the gate/up biases, returning (None, None,
     d_gate_bias, d_up_bias, None). Each writes only its roles' gradient tables (:data:`PHASE_ROLES`); together
-    they compute bitwise what ``"all"`` does."""
+    they compute bitwise what ``"all"`` does. ``units_key``: keep the plan's weight units for later calls
+    (:class:`.plan.UnitsKey`)."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     if phase not in PHASE_ROLES:
         raise ValueError(f"phase must be one of {tuple(PHASE_ROLES)}, got {phase!r}")
@@ -188,7 +189,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         else None
 
     bp = backward_plan(x, w, plan, d, h, window_slots, recompute, gate_bias is not None or up_bias is not None,
-                       act_phase, dx_phase)
+                       act_phase, dx_phase, units_key)
     windows = bp.windows
     if phase != "all" and len(windows) != 1:
         raise ValueError(f"phase {phase!r} runs one window: window_slots must be 0 or at least T*K = {N}, got "

@@ -102,7 +102,8 @@ class DispatchConfig(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS: tl.constexpr):
-    """Bin of each pair p (its expert, or E when the id is outside [0, E)) and whether it is routed.
+    """Bin of each pair p (its expert, or E when the id is outside [0, E)), whether it is routed, and the id (0 where
+    not live).
     CONTIGUOUS ids are addressed by p itself, so the loads vectorise (p // K defeats that)."""
     if CONTIGUOUS:
         offs = p.to(tl.int64)
@@ -113,7 +114,7 @@ def _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS: t
     x = tl.load(ids_ptr + offs, mask=live, other=0)
     routed = live & (x >= 0) & (x < E)
     b = tl.where(routed, x, E).to(tl.int32)
-    return b, routed
+    return b, routed, x
 
 
 @triton.jit
@@ -154,6 +155,7 @@ def _dispatch_histogram_kernel(
     BLOCK: tl.constexpr,  # pairs per step (divides C)
     HIST_BINS: tl.constexpr,  # power of two >= max(E, 32)
     CONTIGUOUS: tl.constexpr,  # ids.is_contiguous()
+    CHECK_IDS: tl.constexpr,  # assert that no id is negative (launched with debug=True, which keeps the assert)
 ):
     """grid (nc,): program c counts the pairs [c*C, (c+1)*C) per expert, BLOCK pairs at a time."""
     c = tl.program_id(0)
@@ -161,7 +163,9 @@ def _dispatch_histogram_kernel(
     for s in range(0, tl.minimum(CHUNK, N - c * CHUNK), BLOCK):
         p = c * CHUNK + s + tl.arange(0, BLOCK)
         live = p < N
-        b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS)
+        b, routed, x = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS)
+        if CHECK_IDS:
+            tl.device_assert(x >= 0, "moeblaze.moe_ffn: ids contain negative expert ids")  # (0 where not live)
         counts += tl.histogram(tl.where(routed, b, 0), HIST_BINS, mask=routed)
     e = tl.arange(0, HIST_BINS)
     tl.store(counts_ptr + c.to(tl.int64) * stride_counts_c + e, counts, mask=e < E)
@@ -258,7 +262,7 @@ def _dispatch_scatter_kernel(
         for s in range(0, tl.minimum(CHUNK, N - c * CHUNK), BLOCK):
             p = c * CHUNK + s + j
             live = p < N
-            b, routed = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS)
+            b, routed, _ = _load_bins(ids_ptr, p, live, K, E, stride_ids_t, stride_ids_k, CONTIGUOUS)
             if DENSE:
                 hit = (b[:, None] == bins[None, :]) & live[:, None]  # [BLOCK, BINS]
                 hit_i = hit.to(tl.int32)
@@ -349,10 +353,13 @@ def _scatter_meta(config: DispatchConfig, num_experts: int) -> dict:
 
 
 def dispatch_forward(
-    ids: Tensor, num_experts: int, block_m: int = 64, config: DispatchConfig | None = None
+    ids: Tensor, num_experts: int, block_m: int = 64, config: DispatchConfig | None = None, check_ids: bool = False
 ) -> DispatchPlan:
-    """Host launcher: allocate, size the grids from shapes (never from data) and launch the 3 kernels."""
+    """Host launcher: allocate, size the grids from shapes (never from data) and launch the 3 kernels. ``check_ids``:
+    see :func:`dispatch`."""
     _check_args(ids, num_experts, block_m)
+    if check_ids and not ids.is_cuda:
+        _check_nonnegative(ids)
     E = num_experts
     if E > MAX_EXPERTS:
         raise ValueError(
@@ -384,12 +391,13 @@ def dispatch_forward(
     tile_start = torch.empty(n_tiles, dtype=i32, device=device)
     chunk_base = torch.empty((num_chunks + 1, E), dtype=i32, device=device)  # row num_chunks: totals
     contiguous = ids.is_contiguous()
+    check = check_ids and ids.is_cuda  # Triton keeps a device assert only in a kernel compiled with debug=True
 
     launch(
         _dispatch_histogram_kernel, (num_chunks,),
         ids, chunk_base, N, K, E, ids.stride(0), ids.stride(1), chunk_base.stride(0),
         CHUNK=chunk, BLOCK=min(chunk, 16 * 32 * config.num_warps), HIST_BINS=max(triton.next_power_of_2(E), 32),
-        CONTIGUOUS=contiguous, num_warps=config.num_warps,
+        CONTIGUOUS=contiguous, CHECK_IDS=check, num_warps=config.num_warps, **({"debug": True} if check else {}),
     )
     launch(
         _dispatch_scan_kernel, (triton.cdiv(E, _SCAN_BLOCK_E),),
@@ -407,15 +415,27 @@ def dispatch_forward(
     return DispatchPlan(offsets, token_index, slot_of, tile_expert, tile_start)
 
 
-def dispatch(ids: Tensor, num_experts: int, block_m: int = 64) -> DispatchPlan:
+def dispatch(ids: Tensor, num_experts: int, block_m: int = 64, check_ids: bool = False) -> DispatchPlan:
     """Build the dispatch plan of ``ids [T, K]`` (int32 or int64) for ``num_experts`` experts.
 
     Bitwise equal to :func:`~moeblaze_fx.kernels.reference.dispatch_reference`. Runs the Triton kernels
     when ``ids`` is on a CUDA device (or when Triton's interpreter was on at import,
     ``TRITON_INTERPRET=1``); otherwise runs the reference. No host synchronisation: capturable in a
     CUDA graph.
+
+    Ids outside ``[0, E)`` are unrouted. ``check_ids`` makes a negative id an error (the operator's contract: ids
+    >= E mean "no expert", a negative one is a router's bug): on CUDA a device assert in the histogram launch, which
+    reads every id anyway (no launch of its own, no host synchronisation; as with ``torch._assert_async``, the
+    process's CUDA context does not survive a failed one), on the CPU a ``ValueError``.
     """
     _check_args(ids, num_experts, block_m)
     if ids.is_cuda or _INTERPRETED:
-        return dispatch_forward(ids, num_experts, block_m)
+        return dispatch_forward(ids, num_experts, block_m, check_ids=check_ids)
+    if check_ids:
+        _check_nonnegative(ids)
     return dispatch_reference(ids, num_experts, block_m)
+
+
+def _check_nonnegative(ids: Tensor) -> None:
+    if ids.numel() and bool((ids < 0).any()):
+        raise ValueError("moeblaze.moe_ffn: ids contain negative expert ids; ids must be >= 0 (>= E means no expert)")

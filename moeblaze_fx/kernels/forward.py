@@ -80,7 +80,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .plan import forward_plan
+from .plan import UnitsKey, forward_plan
 from .reference import Activation, DispatchPlan
 from .sm90 import gather as sm90_gather
 from .tables import ExpertTables
@@ -95,7 +95,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
                    activation: "Activation | str", save_preact: bool,
                    gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                    *, out: Tensor | None = None, preact_out: Tensor | None = None,
-                   window_slots: int = 0) -> tuple[Tensor, Tensor]:
+                   window_slots: int = 0, units_key: UnitsKey | None = None) -> tuple[Tensor, Tensor]:
     """y [T, d] (x.dtype) and preact in slot order (x.dtype): ``[T*K, 2h]`` (gate|up) for a gated activation,
     ``[T*K, h]`` for a plain one, biases included; ``[0]`` unless save_preact.
 
@@ -105,7 +105,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
     storage to write y / preact into (any strides). ``window_slots`` > 0 runs the slots in windows of at
     most that many (:func:`.triton.common.slot_windows`), bounding the transients H and Y to that many rows; y then
     accumulates across windows in its own dtype (a token whose slots fall in several windows is rounded
-    once per window)."""
+    once per window). ``units_key``: keep the plan's weight units for later calls (:class:`.plan.UnitsKey`)."""
     T, d, K, E, h, act = check_expert_inputs(x, weights, w, plan, activation, gate_bias, up_bias, down_bias)
     N = T * K
     width = 2 * h if act.gated else h
@@ -119,7 +119,7 @@ def expert_forward(x: Tensor, weights: Tensor, w: ExpertTables, plan: DispatchPl
         return out.zero_(), preact
     if h == 0 and down_bias is None:  # every expert maps to zero
         return out.zero_(), preact
-    fp = forward_plan(x, w, plan, d, h, gate_bias is not None or up_bias is not None, window_slots)
+    fp = forward_plan(x, w, plan, d, h, gate_bias is not None or up_bias is not None, window_slots, units_key)
     for i, win in enumerate(fp.windows):
         n = win.slot1 - win.slot0
         hid = x.new_empty((n, h))  # transient: the window's H

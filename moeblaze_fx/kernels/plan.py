@@ -9,18 +9,21 @@ kernel may take the unit (:mod:`.sm90.gather`, :mod:`.sm90.down`). What also dep
 alignment, which follows from x's allocator, dtype and shapes) is asked of the plan per window through its methods
 (:meth:`UpUnit.on_sm90`, :meth:`DownUnit.on_sm90`, :meth:`BackwardPlan.dh_launches`,
 :meth:`BackwardPlan.dw_on_sm90`, :meth:`BackwardPlan.dw_interleaved`);
-the orchestration then runs what they say.
+the orchestration then runs what they say. The part resolved from the tables and x alone (the units: every field but
+the windows) is kept for later calls where the caller gives a :class:`UnitsKey` (the operator does, for the
+parameters' tables it keeps).
 
 The Gluon kernels give bitwise the Triton kernels' results wherever they take a launch; the kernel option
 ``gluon=False`` (``config.KernelOptions``) keeps the Triton kernels everywhere (:func:`.sm90.common.enabled`).
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 from torch import Tensor
 
-from .autotune import plan_block_m
+from .autotune import options, plan_block_m
 from .reference import Activation, DispatchPlan
 from .sm90 import down as sm90_down
 from .sm90 import dw as sm90_dw
@@ -32,7 +35,47 @@ from .triton import dw as tdw
 from .triton import up as tup
 from .triton.common import SlotWindow, desc_view, slot_windows, table_align, weight_tma_mode
 
-__all__ = ["UpUnit", "DownUnit", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "up_sm90_weights"]
+__all__ = ["UpUnit", "DownUnit", "ForwardPlan", "BackwardPlan", "UnitsKey", "forward_plan", "backward_plan",
+           "up_sm90_weights"]
+
+
+class UnitsKey(NamedTuple):
+    """Lets a call's weight units (what :func:`forward_plan` and :func:`backward_plan` resolve from the tables and x
+    alone: the units' backends, modes and descriptors) be kept for later calls. ``key`` must determine the tables:
+    the parameters' addresses, shapes, strides and dtypes, the layout, the stream the tables were made for. The
+    tables' ``dense`` views are of the ``owners`` (the parameters) detached, so what is kept holds their memory but
+    not them, and goes when the first of them does."""
+
+    key: tuple
+    owners: tuple
+
+
+# The units kept, one entry per (owners, which units, x's dtype and device, the kernel options in force,
+# tdh.DH_SPLIT), holding the UnitsKey.key they were made under: a call under another key (the parameters moved)
+# replaces them, so no more than the parameters' current memory is ever held. Building them cost about a tenth of an
+# operator step's host time (the Gluon kernels' descriptors over the weights, at (8192, 1024, 512, 64, 8): 0.23 ms
+# a forward, 0.17 ms over the three backward calls; H100, docs/host.md). An entry goes with the first of its owners
+# to go; a full cache is emptied.
+_UNITS: dict = {}
+_UNITS_MAX = 256
+
+
+def _units(cache: UnitsKey | None, what: tuple, x: Tensor, make):
+    """``make()``, kept under ``cache`` (see :class:`UnitsKey`) where given."""
+    if cache is None:
+        return make()
+    slot = (tuple(map(id, cache.owners)), what, x.dtype, x.device, options(), tdh.DH_SPLIT)
+    got = _UNITS.get(slot)
+    if got is not None and got[0] == cache.key:
+        return got[1]
+    units = make()
+    if got is None:
+        if len(_UNITS) >= _UNITS_MAX:
+            _UNITS.clear()
+        for owner in cache.owners:  # (an owner's id is not reused before its finalizer has run)
+            weakref.finalize(owner, _UNITS.pop, slot, None)
+    _UNITS[slot] = (cache.key, units)
+    return units
 
 
 class UpUnit(NamedTuple):
@@ -106,11 +149,14 @@ class ForwardPlan(NamedTuple):
 
 
 def forward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int, biased: bool,
-                 window_slots: int) -> ForwardPlan:
-    """The plan of one forward call (inputs checked by :func:`.triton.common.check_expert_inputs`)."""
-    align, w_tma = tup.up_weight_mode(w, x)
-    up = UpUnit(align, w_tma, up_sm90_weights(w, d, w_tma, x), biased)
-    down = down_unit(w.down, None, False, h, x)
+                 window_slots: int, cache: UnitsKey | None = None) -> ForwardPlan:
+    """The plan of one forward call (inputs checked by :func:`.triton.common.check_expert_inputs`); its units kept
+    under ``cache`` where given."""
+    def make():
+        align, w_tma = tup.up_weight_mode(w, x)
+        return UpUnit(align, w_tma, up_sm90_weights(w, d, w_tma, x), biased), down_unit(w.down, None, False, h, x)
+
+    up, down = _units(cache, ("forward", d, h, biased), x, make)
     return ForwardPlan(slot_windows(plan, window_slots), up, down)
 
 
@@ -181,9 +227,18 @@ class BackwardPlan(NamedTuple):
 
 
 def backward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int, window_slots: int,
-                  recompute: bool, biased: bool, act_phase: bool, dx_phase: bool) -> BackwardPlan:
-    """The plan of one backward call (or of one of its phases: ``act_phase``, ``dx_phase`` say which units run)."""
-    windows = slot_windows(plan, window_slots)
+                  recompute: bool, biased: bool, act_phase: bool, dx_phase: bool,
+                  cache: UnitsKey | None = None) -> BackwardPlan:
+    """The plan of one backward call (or of one of its phases: ``act_phase``, ``dx_phase`` say which units run); its
+    units kept under ``cache`` where given."""
+    units = _units(cache, ("backward", d, h, recompute, biased, act_phase, dx_phase), x,
+                   lambda: _backward_units(x, w, d, h, recompute, biased, act_phase, dx_phase))
+    return BackwardPlan(slot_windows(plan, window_slots), *units)
+
+
+def _backward_units(x: Tensor, w: ExpertTables, d: int, h: int, recompute: bool, biased: bool, act_phase: bool,
+                    dx_phase: bool) -> tuple:
+    """The fields of :class:`BackwardPlan` after its windows."""
     dx = down_unit(w.gate, w.up, True, h, x) if dx_phase else None
     split = tdh.DH_SPLIT
     dh_sm90 = _dh_sm90_weights(w, d, x) if split and act_phase else None
@@ -194,4 +249,4 @@ def backward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int
     # writes it. Only split: the epilogue launch (dh_act) has one configuration, never re-run by the tuner over its
     # own output.
     recompute_up = recompute and split and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
-    return BackwardPlan(windows, dx, dh_sm90, up_sm90, up_mode if recompute_up else None, recompute, split, biased)
+    return dx, dh_sm90, up_sm90, up_mode if recompute_up else None, recompute, split, biased

@@ -250,3 +250,63 @@ def test_cuda_1m_tokens_memory_is_o_tk():
     assert peak <= outputs + scratch_bound + (2 << 20), (peak, outputs, scratch_bound)
     assert peak < T * E  # below even a one-byte-per-entry T x E map (an int32 one is 1 GiB)
     _assert_plan_equal(plan, dispatch_reference(ids, E, block_m))
+
+
+@pytest.mark.parametrize("interpreted", [False, True], ids=["reference", "kernels"])
+def test_check_ids_rejects_a_negative_id_on_the_cpu(monkeypatch, interpreted):
+    """``check_ids``: a negative id is an error (ids >= E are unrouted and pass); without it, it is unrouted."""
+    if DEVICE == "cuda":
+        pytest.skip("on a GPU the check is a device assert: test_cuda_check_ids_is_a_device_assert")
+    monkeypatch.setattr(dispatch_module, "_INTERPRETED", interpreted)
+    ids = _make_ids(50, 2, 8, torch.int64, pattern="random", device="cpu")
+    ids[3, 1] = 8 + 5  # unrouted, not an error
+    _assert_plan_equal(dispatch(ids, 8, check_ids=True), dispatch_reference(ids, 8))
+    ids[7, 0] = -1
+    with pytest.raises(ValueError, match="ids contain negative expert ids"):
+        dispatch(ids, 8, check_ids=True)
+    _assert_plan_equal(dispatch(ids, 8), dispatch_reference(ids, 8))
+
+
+_NEGATIVE_ID_CHILD = """
+import torch
+from moeblaze_fx.kernels.dispatch import dispatch
+ids = torch.randint(0, 8, (4096, 2), device="cuda")
+dispatch(ids, 8, check_ids=True)
+torch.cuda.synchronize()
+print("valid ids passed", flush=True)
+ids[1000, 1] = -3
+dispatch(ids, 8, check_ids=True)
+torch.cuda.synchronize()
+print("negative id passed", flush=True)
+"""
+
+
+@pytest.mark.cuda
+def test_cuda_check_ids_is_a_device_assert():
+    """On CUDA the check is a device assert inside the histogram launch: valid ids pass; a negative one stops the
+    process's CUDA work with the message (so the check runs in a child process). It costs no launch of its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NEGATIVE_ID_CHILD], capture_output=True, text=True, timeout=300)
+    assert "valid ids passed" in done.stdout, done.stderr[-2000:]
+    assert "negative id passed" not in done.stdout
+    assert done.returncode != 0
+    assert "ids contain negative expert ids" in done.stdout + done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.cuda
+def test_cuda_check_ids_adds_no_launch():
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = _make_ids(4096, 8, 64, torch.int64, pattern="random")
+    counts = []
+    for check in (False, True):
+        dispatch(ids, 64, check_ids=check)  # compiled outside the count
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            plan = dispatch(ids, 64, check_ids=check)
+            torch.cuda.synchronize()
+        counts.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA"))
+        _assert_plan_equal(plan, dispatch_reference(ids, 64))
+    assert counts[0] == counts[1] == 3, counts

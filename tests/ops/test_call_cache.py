@@ -127,3 +127,92 @@ def test_cuda_one_windows_first_tile_is_kept():
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # another stream: its own
         assert slot_windows(plan, 0)[0].tile0 is not a
+
+
+def test_kept_weight_units_follow_their_parameters():
+    """kernels.plan keeps a call's weight units per (owners, units, dtype, device, options): built once while the
+    parameters stay where they are, rebuilt in place when they move, gone with them; never holding them."""
+    pytest.importorskip("triton")
+    from moeblaze_fx.config import KernelOptions
+    from moeblaze_fx.kernels import autotune, plan
+
+    plan._UNITS.clear()
+    made = []
+
+    def get(key, owners, x, what=("forward",)):
+        return plan._units(plan.UnitsKey(key, owners), what, x, lambda: made.append(key) or object())
+
+    p, q = torch.zeros(4), torch.zeros(3)
+    x = torch.zeros(2, dtype=torch.float16)
+    first = get("at A", (p, q), x)
+    assert get("at A", (p, q), x) is first and made == ["at A"]
+    assert get("at A", (p, q), x, ("backward",)) is not first and len(plan._UNITS) == 2  # other units
+    assert get("at A", (p, q), x.float()) is not first and len(plan._UNITS) == 3  # another dtype
+    with autotune.using(KernelOptions(gluon=False)):  # other kernel options
+        assert get("at A", (p, q), x) is not first and len(plan._UNITS) == 4
+    moved = get("at B", (p, q), x)  # the parameters moved: rebuilt, in the same entry
+    assert moved is not first and len(plan._UNITS) == 4 and get("at B", (p, q), x) is moved
+    assert made == ["at A"] * 4 + ["at B"]
+    assert get(None, (p, q), x) is not moved  # no key: never kept
+    del q
+    gc.collect()
+    assert len(plan._UNITS) == 0  # every entry had q among its owners
+    assert plan._units(None, ("forward",), x, lambda: 7) == 7 and len(plan._UNITS) == 0
+
+
+def test_a_full_units_cache_is_emptied(monkeypatch):
+    pytest.importorskip("triton")
+    from moeblaze_fx.kernels import plan
+
+    monkeypatch.setattr(plan, "_UNITS_MAX", 2)
+    plan._UNITS.clear()
+    owners = [torch.zeros(1) for _ in range(3)]
+    for o in owners:
+        plan._units(plan.UnitsKey("k", (o,)), ("forward",), owners[0], object)
+    assert len(plan._UNITS) == 1
+
+
+@pytest.mark.cuda
+def test_cuda_weight_units_are_kept_without_the_parameters(monkeypatch):
+    """An operator step builds its plans' weight units (the Gluon descriptors over the weights among them) once; a
+    later step reuses them; parameters moved to new memory replace them; what is kept holds the parameters' memory
+    but not the parameters, and that memory is freed with them."""
+    from moeblaze_fx.kernels import plan
+
+    ops._WEIGHTS.clear()
+    plan._UNITS.clear()
+    built = []
+    down_unit = plan.down_unit
+    monkeypatch.setattr(plan, "down_unit", lambda *a: built.append(a) or down_unit(*a))
+    x, ids, w, params, layout = _args(T=256, d=128, h=128, E=4, K=2, device="cuda", dtype=torch.bfloat16)
+
+    def step(params):
+        for p in params:
+            p.grad = None
+        xg = x.detach().requires_grad_()
+        y = _call(xg, ids, w, params, layout)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), xg.grad] + [p.grad for p in params]
+
+    def same(a, b):
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    params = [p.detach().clone().requires_grad_() for p in params]
+    first = step(params)
+    per_step = len(built)
+    kept = len(plan._UNITS)
+    assert per_step >= 2 and kept >= 2
+    assert same(step(params), first) and len(built) == per_step and len(plan._UNITS) == kept  # nothing built
+    for p in params:  # the same parameters in new memory: rebuilt, in place
+        p.data = p.data.clone()
+    assert same(step(params), first) and len(built) == 2 * per_step and len(plan._UNITS) == kept
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    other = [p.detach().clone().requires_grad_() for p in params]  # other parameters: their own entries
+    assert same(step(other), first) and len(built) == 3 * per_step and len(plan._UNITS) == 2 * kept
+    refs = [weakref.ref(p) for p in other]
+    del other
+    gc.collect()
+    torch.cuda.synchronize()
+    assert all(r() is None for r in refs) and len(plan._UNITS) == kept  # gone with them
+    assert torch.cuda.memory_allocated() <= before  # and their memory with them
