@@ -292,8 +292,19 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     else:  # the same tables over this call's views of the parameters
         built = tables.ExpertTables(*[None if t is None else t if v.count > 1 else t._replace(
             dense=role_value(params, v, E, detached=True)) for t, v in zip(kept, views[:3])])
-    owners = tuple(params[v.first] for v in views[:3] if v is not None and v.count == 1) or (params[0],)
-    return _KernelWeights(built, _biases(params, views, E), _triton_kernels()[6].UnitsKey(key, owners))
+    return _KernelWeights(built, _biases(params, views, E), _units_key(key, params, views))
+
+
+def _units_key(key: tuple, params: Sequence[Tensor], views: Sequence[RoleView | None]):
+    """The ``kernels.plan.UnitsKey`` the kernels' plans keep their weight units under (``key``: the parameters'
+    addresses and layout, the dtype and stream), owned by the parameters holding whole roles; None where those are
+    not a model's weights (neither parameters nor requiring grad: weights cast for this call under autocast, new
+    tensors at every call, for which keeping would only make and drop the units each time)."""
+    # (one entry per tensor: a tensor hashes by identity)
+    owners = tuple(dict.fromkeys(params[v.first] for v in views[:3] if v is not None and v.count == 1)) or (params[0],)
+    if not all(o.requires_grad or isinstance(o, torch.nn.Parameter) for o in owners):
+        return None
+    return _triton_kernels()[6].UnitsKey(key, owners)
 
 
 # An operator step makes four calls (the forward and the three backward operators), and each checked its arguments

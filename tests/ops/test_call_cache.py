@@ -218,3 +218,22 @@ def test_cuda_weight_units_are_kept_without_the_parameters(monkeypatch):
     assert all(r() is None for r in refs) and len(plan._UNITS) == kept  # gone with them
     # and their memory with them (what stays: the new addresses' pointer tables, a few hundred bytes)
     assert torch.cuda.memory_allocated() < before + other_bytes // 8
+
+
+def test_weight_units_are_kept_only_for_a_models_weights():
+    """The plans keep their weight units for parameters and tensors requiring grad (they persist from call to call);
+    not for weights made for the call (cast under autocast: new tensors each time), whose units would be made and
+    dropped at every call."""
+    pytest.importorskip("triton")
+    from moeblaze_fx.kernels import plan
+
+    _, _, _, params, layout = _args()
+    _, views = decode_layout(layout)
+    assert ops._units_key(("k",), params, views) is None  # plain tensors, no grad: cast copies
+    grads = [p.detach().requires_grad_() for p in params]
+    got = ops._units_key(("k",), grads, views)
+    assert isinstance(got, plan.UnitsKey) and got.key == ("k",)
+    assert len(got.owners) == 2 and all(a is b for a, b in zip(got.owners, grads))  # [gate|up, down]: whole roles
+    frozen = [torch.nn.Parameter(p, requires_grad=False) for p in params]  # frozen experts (fine-tuning)
+    assert all(a is b for a, b in zip(ops._units_key(("k",), frozen, views).owners, frozen))
+    assert ops._units_key(("k",), [grads[0], params[1]], views) is None  # one not a model's weight
