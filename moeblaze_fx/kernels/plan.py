@@ -70,10 +70,13 @@ def _units(cache: UnitsKey | None, what: tuple, x: Tensor, make):
         return got[1]
     units = make()
     if got is None:
+        try:
+            for owner in cache.owners:  # (an owner's id is not reused before its finalizer has run)
+                weakref.finalize(owner, _UNITS.pop, slot, None)
+        except TypeError:  # an owner that takes no weak reference: nothing could drop the entry, so none is made
+            return units
         if len(_UNITS) >= _UNITS_MAX:
             _UNITS.clear()
-        for owner in cache.owners:  # (an owner's id is not reused before its finalizer has run)
-            weakref.finalize(owner, _UNITS.pop, slot, None)
     _UNITS[slot] = (cache.key, units)
     return units
 

@@ -158,6 +158,8 @@ def test_kept_weight_units_follow_their_parameters():
     gc.collect()
     assert len(plan._UNITS) == 0  # every entry had q among its owners
     assert plan._units(None, ("forward",), x, lambda: 7) == 7 and len(plan._UNITS) == 0
+    # an owner that takes no weak reference could never drop its entry: none is made
+    assert plan._units(plan.UnitsKey("at A", (p, 1234567)), ("forward",), x, lambda: 8) == 8 and len(plan._UNITS) == 0
 
 
 def test_a_full_units_cache_is_emptied(monkeypatch):
