@@ -46,7 +46,7 @@ from moeblaze_fx.bench.layer import L2_FLUSH_BYTES, PROVIDERS, _grads, cuda_step
 TIMED = [
     ("moeblaze_fx.bench.layer", "route"),
     ("moeblaze_fx.ops", "moe_ffn"), ("moeblaze_fx.ops", "layout_of"), ("moeblaze_fx.ops", "_check_inputs"),
-    ("moeblaze_fx.ops", "_check_ids_range"), ("moeblaze_fx.ops", "_expert_weights"), ("moeblaze_fx.ops", "_make_plan"),
+    ("moeblaze_fx.kernels.reference", "check_ids"), ("moeblaze_fx.ops", "_expert_weights"), ("moeblaze_fx.ops", "_make_plan"),
     ("moeblaze_fx.ops", "_grad_buffers"), ("moeblaze_fx.ops", "_kernel_backward"),
     ("moeblaze_fx.kernels.forward", "expert_forward"), ("moeblaze_fx.kernels.forward", "check_expert_inputs"),
     ("moeblaze_fx.kernels.forward", "forward_plan"), ("moeblaze_fx.kernels.plan", "slot_windows"),

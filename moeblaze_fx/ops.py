@@ -176,19 +176,6 @@ def _dense_storage(p: Tensor) -> bool:
     return True
 
 
-def _check_ids_range(ids: Tensor) -> None:
-    # Ids >= E mean "no expert" (the contract); a negative id is a bug in the router. On the CPU the
-    # check is free of consequence; on CUDA it is an asynchronous device assert (no host sync). The Triton path
-    # checks in its dispatch's first launch instead (kernels.dispatch, check_ids): three launches fewer a forward.
-    if ids.numel() == 0:
-        return
-    if ids.device.type == "cpu":
-        if bool((ids < 0).any()):
-            raise ValueError("moeblaze.moe_ffn: ids contain negative expert ids; ids must be >= 0 (>= E means no expert)")
-    else:
-        torch._assert_async((ids >= 0).all(), "moeblaze.moe_ffn: ids contain negative expert ids")
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
     """(dispatch, forward, backward, tables, autotune, triton.common, plan) modules, or None where Triton or the
@@ -213,7 +200,7 @@ def _make_plan(ids: Tensor, num_experts: int, block_m: int, check_ids: bool = Fa
     if kernels is not None:
         return kernels[0].dispatch(ids, num_experts, block_m, check_ids)
     if check_ids:
-        _check_ids_range(ids)
+        reference.check_ids(ids)
     return reference.dispatch_reference(ids, num_experts, block_m=block_m)
 
 
@@ -367,8 +354,6 @@ def _moe_ffn(
     wkey = _weights_key(params, layout)
     h, act = _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey)
     opts = decode_kernels(kernel_options)
-    if not _use_triton(x):  # (the Triton path's dispatch checks them)
-        _check_ids_range(ids)
     with _using(opts, x.dtype):
         return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
 
@@ -384,6 +369,7 @@ def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, 
         y, preact = _triton_kernels()[1].expert_forward(x, weights, experts.tables, plan, act, save, *experts.biases,
                                                         window_slots=chunk_tokens * K, units_key=experts.units)
         return y, preact, list(plan)  # saved for backward: the backward does not dispatch again
+    reference.check_ids(ids)  # (the Triton path's dispatch checks them in its first launch)
     chunks = _chunks(T, chunk_tokens)
     if len(chunks) == 1:
         return *_forward_chunk(x, ids, weights, experts, E, act, save, opts), []

@@ -74,7 +74,7 @@ from torch import Tensor
 from ..config import interpreting
 from .autotune import options
 from .launch import launch, sized
-from .reference import DispatchPlan, dispatch_reference, max_tiles
+from .reference import DispatchPlan, check_ids as check_ids_on_host, dispatch_reference, max_tiles
 
 __all__ = ["DispatchConfig", "dispatch", "dispatch_forward", "default_config", "MAX_EXPERTS"]
 
@@ -359,7 +359,7 @@ def dispatch_forward(
     see :func:`dispatch`."""
     _check_args(ids, num_experts, block_m)
     if check_ids and not ids.is_cuda:
-        _check_nonnegative(ids)
+        check_ids_on_host(ids)
     E = num_experts
     if E > MAX_EXPERTS:
         raise ValueError(
@@ -432,10 +432,5 @@ def dispatch(ids: Tensor, num_experts: int, block_m: int = 64, check_ids: bool =
     if ids.is_cuda or _INTERPRETED:
         return dispatch_forward(ids, num_experts, block_m, check_ids=check_ids)
     if check_ids:
-        _check_nonnegative(ids)
+        check_ids_on_host(ids)
     return dispatch_reference(ids, num_experts, block_m)
-
-
-def _check_nonnegative(ids: Tensor) -> None:
-    if ids.numel() and bool((ids < 0).any()):
-        raise ValueError("moeblaze.moe_ffn: ids contain negative expert ids; ids must be >= 0 (>= E means no expert)")

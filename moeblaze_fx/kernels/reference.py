@@ -39,6 +39,7 @@ __all__ = [
     "DispatchPlan",
     "max_tiles",
     "dispatch_reference",
+    "check_ids",
     "GATED_ACTIVATIONS",
     "PLAIN_ACTIVATIONS",
     "ACTIVATIONS",
@@ -88,6 +89,19 @@ def _check_ids(ids: Tensor, num_experts: int) -> None:
         raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+
+
+def check_ids(ids: Tensor) -> None:
+    """Fail on a negative expert id (the operator's contract: ids >= E mean "no expert", a negative one is a router's
+    bug): a ``ValueError`` on the CPU, an asynchronous device assert elsewhere (no host synchronisation). The Triton
+    dispatch checks on CUDA inside its first launch instead (``kernels.dispatch.dispatch``, ``check_ids``)."""
+    if ids.numel() == 0:
+        return
+    if ids.device.type == "cpu":
+        if bool((ids < 0).any()):
+            raise ValueError("moeblaze.moe_ffn: ids contain negative expert ids; ids must be >= 0 (>= E means no expert)")
+    else:
+        torch._assert_async((ids >= 0).all(), "moeblaze.moe_ffn: ids contain negative expert ids")
 
 
 def dispatch_reference(ids: Tensor, num_experts: int, block_m: int = 64) -> DispatchPlan:

@@ -252,11 +252,11 @@ def test_cuda_1m_tokens_memory_is_o_tk():
     _assert_plan_equal(plan, dispatch_reference(ids, E, block_m))
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the check is a device assert: "
+                                             "test_cuda_check_ids_is_a_device_assert")
 @pytest.mark.parametrize("interpreted", [False, True], ids=["reference", "kernels"])
 def test_check_ids_rejects_a_negative_id_on_the_cpu(monkeypatch, interpreted):
     """``check_ids``: a negative id is an error (ids >= E are unrouted and pass); without it, it is unrouted."""
-    if DEVICE == "cuda":
-        pytest.skip("on a GPU the check is a device assert: test_cuda_check_ids_is_a_device_assert")
     monkeypatch.setattr(dispatch_module, "_INTERPRETED", interpreted)
     ids = _make_ids(50, 2, 8, torch.int64, pattern="random", device="cpu")
     ids[3, 1] = 8 + 5  # unrouted, not an error
