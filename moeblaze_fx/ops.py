@@ -6,7 +6,9 @@ kernel_options="")`` returns ``(y, preact, plan)``:
 * ``y [T, d]`` in x's dtype: ``y[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t])``;
 * ``preact [T*K, 2h]`` (gate|up pre-activations, biases included; ``[T*K, h]`` for a plain
   activation) in slot order (the whole batch's on the Triton path, each token chunk's on the PyTorch
-  path) under ``checkpoint="activations"``, an empty ``[0]`` tensor under ``"recompute"``;
+  path) under ``checkpoint="activations"``, an empty ``[0]`` tensor under ``"recompute"``. Its columns
+  are gate's then up's, except on the Triton path over gate and up interleaved column by column
+  (gpt-oss's ``gate_up_proj``), where they are interleaved alike, as is the split backward's dA|dB;
 * ``plan``: on the Triton path, the five int32 tensors of the forward's :class:`DispatchPlan` (the index
   structures: ``[E+1]`` offsets, ``[T*K]`` token index and slot of each pair, two tile tables); an empty
   list on the PyTorch path, which builds a plan per token chunk.
@@ -515,8 +517,9 @@ def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, c
 
 def _interleaved_gate_up(views: Sequence[RoleView | None]) -> bool:
     """Whether the gate and up roles interleave column by column in one ``[E, ...]`` parameter (gpt-oss's
-    ``gate_up_proj [E, d, 2h]``): the layout form of ``kernels.tables.interleaved_gate_up``, which the kernels
-    decide their INTERLEAVED paths by (from the tables built of these views)."""
+    ``gate_up_proj [E, d, 2h]``): the layout form of ``kernels.tables.interleaved_gate_up``, by which the kernels
+    read those weights as one 2h-wide matrix and keep A|B and dA|dB interleaved alike (from the tables built of
+    these views)."""
     gate, up = views[0], views[1]
     return (up is not None and gate.count == up.count == 1 and gate.first == up.first
             and up.offset == gate.offset + 1 and gate.stride_r == up.stride_r == 2 and gate.stride_c == up.stride_c

@@ -31,11 +31,12 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
     _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB;
                         one launch for both, [dW_gate | dW_up][e].T from dA|dB, where up's rows follow gate's
                         in one [E, 2h, d] tensor (Hugging Face's fused gate_up)
-                        (interleaved gate and up, gpt-oss: one launch writing the [d, 2h] gradient of the stored
-                        gate_up_proj contiguously along 2h, dA and dB joined column by column in registers; the dX
-                        above then runs as one contraction over 2h, see triton.down; and "recompute" computes A|B
-                        again with the forward's up kernel into the dA|dB buffer, dh then running as under
-                        "activations" in place over it, instead of inside the dh kernel through strided loads)
+                        (interleaved gate and up, gpt-oss: A|B and dA|dB are interleaved column by column as the
+                        weights are, so this is one plain launch writing the [d, 2h] gradient of the stored
+                        gate_up_proj, and the dX above one contraction over 2h against the [2h, d] matrix; and
+                        "recompute" computes A|B again with the forward's up kernel into the dA|dB buffer, dh then
+                        running as under "activations" in place over it, instead of inside the dh kernel through
+                        strided loads)
     _expert_bias_grad_kernel (gate/up biases): d_gate_bias[e] = sum_{s in e} dA[s]; d_up_bias from dB
     _expert_combine_kernel dx[t]      = sum_k dX[slot_of[t*K + k]]           (fp32, fixed k order; a window of fewer
                         slots than T over its own tokens only: triton.combine.combine)
@@ -84,13 +85,13 @@ __all__ = ["expert_backward", "check_grad_tables", "PHASE_ROLES"]
 
 
 def _weight_grad(bp: BackwardPlan, tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
-                 accumulate: bool, window: tuple[int, int, int], interleaved: bool = False) -> None:
+                 accumulate: bool, window: tuple[int, int, int]) -> None:
     """:func:`.triton.dw.weight_grad` on the backend the plan picks (:meth:`.plan.BackwardPlan.dw_on_sm90`)."""
     if out.ptrs.numel() == 0 or out.rows == 0 or out.cols == 0:
         return
-    if bp.dw_on_sm90(tokens, slots, out, interleaved):
+    if bp.dw_on_sm90(tokens, slots, out):
         return sm90_dw.dw_sm90(tokens, slots, out, plan, K, accumulate, window)  # sm_90: Gluon (bitwise the same)
-    tdw.weight_grad(tokens, slots, out, plan, K, accumulate, window, interleaved)
+    tdw.weight_grad(tokens, slots, out, plan, K, accumulate, window)
 
 
 def check_grad_tables(grads: ExpertTables, w: ExpertTables, x: Tensor, roles=("gate", "up", "down")) -> None:
@@ -238,7 +239,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             del hw
         if busy and dx_phase:  # dX, combined into dx at once: its slots are freed before dW_gate|up
             dx_slots = x.new_empty((n, d))
-            bp.dx.project(dpre, h, d, plan, dx_slots, None, win)
+            bp.dx.project(dpre, bp.dx_k(h), d, plan, dx_slots, None, win)
             combine(dx_slots, None, plan, T, K, dx, (s0, s1), accumulate=i > 0)
             del dx_slots
         if not dw_phase:  # "act" or "dx": one window
@@ -246,18 +247,19 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         if not skip:
             grads, grads_gate_up, grads_interleaved = grad_tables()
             # [E, h, d], computed as its transpose: the gathered operand goes on A's side (see the kernel)
-            if grads_interleaved is not None and bp.dw_interleaved(dpre):
-                _weight_grad(bp, x, dpre, grads_interleaved, plan, K, accumulate, dw_window, True)  # interleaved
-            elif grads_gate_up is not None:
+            if bp.pairs and grads_interleaved is not None:  # dA|dB interleaved as the gradient: [E, d, 2h] at once
+                _weight_grad(bp, x, dpre, grads_interleaved, plan, K, accumulate, dw_window)
+            elif not bp.pairs and grads_gate_up is not None:
                 _weight_grad(bp, x, dpre, tdw.transposed(grads_gate_up), plan, K, accumulate, dw_window)
             else:
-                _weight_grad(bp, x, dpre[:, :h], tdw.transposed(grads.gate), plan, K, accumulate, dw_window)
+                d_a, d_b = bp.halves(dpre, h)
+                _weight_grad(bp, x, d_a, tdw.transposed(grads.gate), plan, K, accumulate, dw_window)
                 if act.gated:
-                    _weight_grad(bp, x, dpre[:, h:], tdw.transposed(grads.up), plan, K, accumulate, dw_window)
+                    _weight_grad(bp, x, d_b, tdw.transposed(grads.up), plan, K, accumulate, dw_window)
         if gate_bias is not None:
-            d_gate_bias += tdw.bias_grad(dpre[:, :h], False, None, plan, K, E, window=(s0, s1))
+            d_gate_bias += tdw.bias_grad(bp.halves(dpre, h)[0], False, None, plan, K, E, window=(s0, s1))
         if up_bias is not None:
-            d_up_bias += tdw.bias_grad(dpre[:, h:], False, None, plan, K, E, window=(s0, s1))
+            d_up_bias += tdw.bias_grad(bp.halves(dpre, h)[1], False, None, plan, K, E, window=(s0, s1))
         del dpre
     if phase == "dx":
         return dx, None, None, None, None

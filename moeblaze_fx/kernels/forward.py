@@ -66,11 +66,12 @@ x's rows; bitwise equal results) when d % 64 == 0 and the weights are row blocks
 
 Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0::2, up = 1::2;
 :func:`.tables.interleaved_gate_up` decides from the tables): each role alone is strided by 2 along h, which only
-element-wise loads can read (no descriptor; the Gluon kernels never take them). The up kernel's INTERLEAVED path reads
-each expert's [d, 2h] instead as one matrix, contiguous along 2h (a descriptor over it where its rows are 16-byte
-aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose adjacent columns it splits into A and B; the down kernel's
-INTERLEAVED path (the backward's dX) contracts over 2h with dA and dB joined column by column in registers against
-contiguous [2 * BLOCK_K, BLOCK_N] tiles of it. Saved A|B and the rest of the data flow are the same.
+element-wise loads can read (no descriptor; the Gluon up kernel never takes them). The up kernel's INTERLEAVED path
+reads each expert's [d, 2h] instead as one matrix, contiguous along 2h (a descriptor over it where its rows are 16-byte
+aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose adjacent columns it splits into A and B. The saved A|B
+(and the backward's dA|dB) are then interleaved the same way, column 2j A's column j and 2j + 1 B's
+(:func:`.triton.common.preact_strides`): the backward's dX and dW_gate|up are plain GEMMs over the 2h columns, against
+the [2h, d] matrices (:func:`.tables.interleaved_table`) and into the stored [d, 2h] gradient, on either backend.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp32 is computed with IEEE fp32 dots
 (no tf32), which is what the interpreter tests use; on CUDA the operator runs it with one fixed configuration

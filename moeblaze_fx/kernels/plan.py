@@ -8,7 +8,7 @@ projection's weight alignment and descriptor mode (:func:`.triton.up.up_weight_m
 kernel may take the unit (:mod:`.sm90.gather`, :mod:`.sm90.down`). What also depends on a window's own buffers (their
 alignment, which follows from x's allocator, dtype and shapes) is asked of the plan per window through its methods
 (:meth:`UpUnit.on_sm90`, :meth:`DownUnit.on_sm90`, :meth:`BackwardPlan.dh_launches`,
-:meth:`BackwardPlan.dw_on_sm90`, :meth:`BackwardPlan.dw_interleaved`);
+:meth:`BackwardPlan.dw_on_sm90`);
 the orchestration then runs what they say. The part resolved from the tables and x alone (the units: every field but
 the windows) is kept for later calls where the caller gives a :class:`UnitsKey` (the operator does, for the
 parameters' tables it keeps).
@@ -28,10 +28,9 @@ from .reference import Activation, DispatchPlan
 from .sm90 import down as sm90_down
 from .sm90 import dw as sm90_dw
 from .sm90 import gather as sm90_gather
-from .tables import ExpertTables, WeightTable, interleaved_gate_up
+from .tables import ExpertTables, WeightTable, interleaved_gate_up, interleaved_table
 from .triton import dh as tdh
 from .triton import down as tdown
-from .triton import dw as tdw
 from .triton import up as tup
 from .triton.common import SlotWindow, desc_view, slot_windows, table_align, weight_tma_mode
 
@@ -167,7 +166,9 @@ class BackwardPlan(NamedTuple):
     """What a backward call's windows share, and the per-window choices of dh's and dW's launches."""
 
     windows: list[SlotWindow]
-    dx: DownUnit | None  # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]; None without the dx phase
+    # dX = dA @ W_gate[e] (+ dB @ W_up[e]): B[e][k, n] = W[e][k, n]; with ``pairs`` one B of 2h rows (gate's and up's
+    # interleaved); None without the dx phase
+    dx: DownUnit | None
     dh_sm90: "sm90_gather.GatherWeights | None"  # the Gluon view of W_down for dh's GEMM (split dh only)
     # "recompute" on sm_90: A|B recomputed by the forward's Gluon up kernel, then the fused dh (see .backward's doc)
     up_sm90: "sm90_gather.GatherWeights | None"
@@ -177,6 +178,17 @@ class BackwardPlan(NamedTuple):
     recompute: bool
     split: bool  # tdh.DH_SPLIT when the plan was made
     biased: bool
+    # gate and up interleaved column by column (gpt-oss, tables.interleaved_gate_up): A|B and dA|dB are interleaved
+    # alike (triton.common.preact_strides), so that dX and dW_gate|up are plain GEMMs over their 2h columns
+    pairs: bool
+
+    def dx_k(self, h: int) -> int:
+        """The contraction of dX: dA's h columns and dB's h (two K loops, or one over 2h interleaved)."""
+        return 2 * h if self.pairs else h
+
+    def halves(self, dpre: Tensor, h: int) -> tuple[Tensor, Tensor]:
+        """dA and dB as views of dA|dB ``dpre``."""
+        return (dpre[:, 0::2], dpre[:, 1::2]) if self.pairs else (dpre[:, :h], dpre[:, h:])
 
     def dh_launches(self, grad_y: Tensor, x: Tensor, hw: Tensor, pre: Tensor, dpre: Tensor, weights: Tensor,
                     act: Activation, chunk: int) -> list[tuple[str, str | None, int]]:
@@ -184,7 +196,8 @@ class BackwardPlan(NamedTuple):
         ``dpre``, H into ``hw``), ``"triton.up"`` (likewise, through the Triton up kernel), ``"sm90.dh"`` (dh's GEMM,
         dH' into ``hw``), ``"sm90.dh_act"`` (dh's GEMM and its epilogue in one launch, over ``pre``), and
         ``"triton.dh"`` with the dh kernel's ``kind`` and PHASE (:func:`.triton.dh.dh_launch`). The window's buffers
-        decide with the plan: the Gluon kernels need their rows 16-byte aligned."""
+        decide with the plan: the Gluon kernels need their rows 16-byte aligned, and the fused one A|B's halves
+        (not ``pairs``)."""
         bm = plan_block_m()
         if self.up_sm90 is not None and (sm90_gather.up_usable(x, hw, dpre, act.name, self.biased, bm) and
                                          sm90_gather.dh_act_usable(grad_y, hw, dpre, dpre, weights, act.name, chunk,
@@ -204,7 +217,8 @@ class BackwardPlan(NamedTuple):
             phases = [("dh", 0)]
         for kind, phase in phases:
             if phase == 1 and self.dh_sm90 is not None and sm90_gather.dh_usable(grad_y, hw, plan_block_m()):
-                if sm90_gather.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
+                if not self.pairs and sm90_gather.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk,
+                                                                plan_block_m()):
                     launches.append(("sm90.dh_act", None, 0))  # both phases in one launch: the same dA|dB and w*H
                     break
                 launches.append(("sm90.dh", None, 0))  # the same dH', bitwise
@@ -217,16 +231,9 @@ class BackwardPlan(NamedTuple):
         """Whether the Triton dh kernel recomputes A|B itself (``"recompute"``, not through an up kernel)."""
         return self.recompute and self.up_mode is None
 
-    def dw_interleaved(self, dpre: Tensor) -> bool:
-        """Whether the interleaved gate and up gradients (gpt-oss's, :func:`.triton.dw.interleaved_grad_table`) take one
-        dW launch over dA|dB (``dpre``). On a GPU only where dA|dB's rows take a descriptor: its pointer form crashes
-        Triton 3.6's TritonGPUOptimizeDotOperands pass on sm_90 (h = 90, H100, 2026-11-27); the interpreter runs that
-        form (the CPU tests' path), and elsewhere gate and up take the strided launches."""
-        return tdw.dw_tma(dpre) or not dpre.is_cuda
-
-    def dw_on_sm90(self, tokens: Tensor, slots: Tensor, out: WeightTable, interleaved: bool) -> bool:
+    def dw_on_sm90(self, tokens: Tensor, slots: Tensor, out: WeightTable) -> bool:
         """Whether a dW launch (:func:`.triton.dw.weight_grad`'s operands) runs on the Gluon kernel."""
-        return not interleaved and sm90_dw.usable(tokens, slots, out, table_align(out))
+        return sm90_dw.usable(tokens, slots, out, table_align(out))
 
 
 def backward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int, window_slots: int,
@@ -242,7 +249,13 @@ def backward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int
 def _backward_units(x: Tensor, w: ExpertTables, d: int, h: int, recompute: bool, biased: bool, act_phase: bool,
                     dx_phase: bool) -> tuple:
     """The fields of :class:`BackwardPlan` after its windows."""
-    dx = down_unit(w.gate, w.up, True, h, x) if dx_phase else None
+    pairs = interleaved_gate_up(w.gate, w.up)
+    if not dx_phase:
+        dx = None
+    elif pairs:
+        dx = down_unit(interleaved_table(w.gate, w.up), None, True, 2 * h, x)
+    else:
+        dx = down_unit(w.gate, w.up, True, h, x)
     split = tdh.DH_SPLIT
     dh_sm90 = _dh_sm90_weights(w, d, x) if split and act_phase else None
     up_mode = tup.up_weight_mode(w, x) if recompute else None  # the up kernel's (align, w_tma), for either recompute
@@ -251,5 +264,5 @@ def _backward_units(x: Tensor, w: ExpertTables, d: int, h: int, recompute: bool,
     # gathers); as the Gluon path above does, each A|B element is read before it is written, by the program that
     # writes it. Only split: the epilogue launch (dh_act) has one configuration, never re-run by the tuner over its
     # own output.
-    recompute_up = recompute and split and up_sm90 is None and interleaved_gate_up(w.gate, w.up)
-    return dx, dh_sm90, up_sm90, up_mode if recompute_up else None, recompute, split, biased
+    recompute_up = recompute and split and up_sm90 is None and pairs
+    return dx, dh_sm90, up_sm90, up_mode if recompute_up else None, recompute, split, biased, pairs

@@ -30,7 +30,7 @@ from torch import Tensor
 from .reference import ExpertParams
 
 __all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "table_of_addresses", "tables_of",
-           "interleaved_gate_up", "cacheable", "stream_key"]
+           "interleaved_gate_up", "interleaved_table", "cacheable", "stream_key"]
 
 
 class WeightTable(NamedTuple):
@@ -69,8 +69,9 @@ def interleaved_gate_up(gate: WeightTable, up: WeightTable | None) -> bool:
     ``gate_up_proj [E, d, 2h]``: gate = columns 0::2, up = 1::2): both tables views of one tensor with the same
     strides, a row stride of 2 elements, up's matrices one element after gate's. Then each expert's gate and up
     rows form one ``[2h, cols]`` matrix with unit row stride (row 2j gate's row j, row 2j + 1 up's), which the
-    kernels' INTERLEAVED paths read (and, for gradients, write) as one contiguous 2h-wide matrix instead of two
-    strided ones (element-wise gathers, no tensor descriptor)."""
+    kernels read (and, for gradients, write) as one 2h-wide matrix (:func:`interleaved_table`) instead of two strided
+    ones (element-wise gathers, no tensor descriptor). The kernels then keep A|B and dA|dB interleaved the same way,
+    column 2j A's (dA's) column j and 2j + 1 B's (dB's), so that dX and dW_gate|up are plain GEMMs over 2h."""
     if up is None or gate.dense is None or up.dense is None or gate.dtype != up.dtype:
         return False
     g, u = gate.dense, up.dense
@@ -78,6 +79,14 @@ def interleaved_gate_up(gate: WeightTable, up: WeightTable | None) -> bool:
     return (u.shape == g.shape and u.stride() == g.stride() and h > 0 and g.stride(1) == 2
             and (c <= 1 or g.stride(2) >= 2 * h)  # the [2h, c] matrices do not overlap themselves
             and u.data_ptr() == g.data_ptr() + g.element_size())
+
+
+def interleaved_table(gate: WeightTable, up: WeightTable) -> WeightTable:
+    """Where gate and up are interleaved (:func:`interleaved_gate_up`): one table of their ``[2h, cols]`` matrices,
+    row 2j gate's row j and 2j + 1 up's (unit row stride), through gate's addresses."""
+    g = gate.dense  # [E, h, c] with strides (., 2, stride_c)
+    E, h, c = g.shape
+    return table_of(g.as_strided((E, 2 * h, c), (g.stride(0), 1, g.stride(2))))
 
 
 def table_of(w: Tensor) -> WeightTable:

@@ -1,11 +1,12 @@
 """Interleaved gate/up weights (gpt-oss): ``gate_up_proj [E, d, 2h]`` with gate = columns 0::2 and up = 1::2, its
 bias ``[E, 2h]`` interleaved the same way, ``down_proj [E, h, d]`` with bias ``[E, d]``, the clamped SwiGLU.
 
-The kernels read and write that storage as one 2h-wide matrix per expert (``tables.interleaved_gate_up``; the
-INTERLEAVED paths of ``_expert_up_kernel``, ``_expert_down_kernel`` (dX) and ``_expert_dw_kernel``). CPU: the
-Triton interpreter (tests/conftest.py) in float32 and float16 (its bf16 dot is wrong), forward and every
-gradient against ``moe_ffn_reference`` differentiated by autograd in float64. GPU (``cuda`` marker): bf16, the
-same checks, and the interleaved launches against the strided ones on a copy of the weights."""
+The kernels read and write that storage as one 2h-wide matrix per expert (``tables.interleaved_gate_up``): the up
+kernel's INTERLEAVED path reads it, and with A|B and dA|dB interleaved alike (``triton.common.preact_strides``) dX is
+one down launch over 2h against the [2h, d] matrices (``tables.interleaved_table``) and dW_gate|up one plain dW
+launch into the [d, 2h] gradient. CPU: the Triton interpreter (tests/conftest.py) in float32 and float16 (its bf16
+dot is wrong), forward and every gradient against ``moe_ffn_reference`` differentiated by autograd in float64. GPU
+(``cuda`` marker): bf16, the same checks, on the default backends (Gluon where it applies)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,8 @@ from moeblaze_fx.kernels import autotune
 from moeblaze_fx.kernels.backward import expert_backward
 from moeblaze_fx.kernels.autotune import plan_block_m
 from moeblaze_fx.kernels.forward import expert_forward
+from moeblaze_fx.kernels.sm90 import down as sm90_down
+from moeblaze_fx.kernels.sm90 import dw as sm90_dw
 from moeblaze_fx.kernels.triton import common as tcommon
 from moeblaze_fx.kernels.triton import dh as tdh
 from moeblaze_fx.kernels.triton import dw as tdw
@@ -109,8 +112,8 @@ def check(case, policy, tol, window_slots=0):
 
 
 def _interleaved_flags(monkeypatch):
-    """Record the INTERLEAVED constexpr of every launch: (kind, INTERLEAVED, TWO_B); in ``.modes`` (kind,
-    INTERLEAVED, the descriptor mode or flag: W_TMA, B_TMA or TMA)."""
+    """Record every Triton launch as (kind, INTERLEAVED, TWO_B); in ``.modes`` (kind, INTERLEAVED, the descriptor
+    mode or flag: W_TMA, B_TMA or TMA)."""
     seen = _Seen()
     launch = autotune.launch
 
@@ -150,19 +153,19 @@ def test_interleaved_matches_reference(monkeypatch, T, d, h, E, K, ids_mode, win
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K)
     check(case, policy, tol=1e-5, window_slots=window_slots)
     windows = tcommon.num_slot_windows(T * K, window_slots)
-    # every up, dX and dW_gate|up launch on the interleaved path: one up and one dX per window (under "recompute"
-    # A|B computed again by the up kernel, then dh as under "activations", never the dh kernel's own strided
-    # recomputation), two dW launches per window (down; gate and up together)
+    # every up launch on the interleaved path (under "recompute" A|B computed again by the up kernel, then dh as
+    # under "activations", never the dh kernel's own strided recomputation); per window one B for Y and one for dX
+    # (over 2h), and two dW launches (down; gate and up together)
     ups = 2 if policy == "recompute" else 1
     assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (ups * windows)
     kinds = [s[0] for s in seen]
     assert kinds.count("dh_gemm") == kinds.count("dh_act") == windows and "dh_recompute" not in kinds
-    assert sorted(s for s in seen if s[0] == "down") == sorted([("down", False, False)] * windows
-                                                               + [("down", True, False)] * windows)
-    assert sorted(s[1] for s in seen if s[0] == "dw") == [False] * windows + [True] * windows
+    assert [s for s in seen if s[0] == "down"] == [("down", None, False)] * (2 * windows)
+    assert [s for s in seen if s[0] == "dw"] == [("dw", None, None)] * (2 * windows)
     # the weights' 16-byte aligned rows (2h * 4 bytes, h % 2 == 0) take descriptors: up's over [d, 2h] (mode 1),
-    # dX's over [2h, d] read transposed (mode 2), dW's over dA|dB
-    assert {m for m in seen.modes if m[1]} == {("up", True, 1), ("down", True, 2), ("dw", True, True)}
+    # Y's over down_proj [E, h, d] (mode 1), dX's over [2h, d] read transposed (mode 2), dW's over dA|dB
+    assert {m for m in seen.modes if m[0] in ("up", "down", "dw")} == {("up", True, 1), ("down", None, 1),
+                                                                       ("down", None, 2), ("dw", None, True)}
 
 
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
@@ -176,13 +179,14 @@ def test_interleaved_through_pointers(monkeypatch, case_index, policy):
     T, d, h, E, K, ids_mode, window_slots = CASES[case_index]
     case = make_case(T, d, h, E, K, ids_mode=ids_mode, seed=T + K + 1)
     check(case, policy, tol=1e-5, window_slots=window_slots)
-    assert {m for m in seen.modes if m[1]} == {("up", True, 0), ("down", True, 0), ("dw", True, False)}
+    assert {m for m in seen.modes if m[0] in ("up", "down", "dw")} == {("up", True, 0), ("down", None, 0),
+                                                                       ("dw", None, False)}
 
 
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
 def test_interleaved_wide_tiles_past_a_descriptor_block(policy):
     # A pinned configuration whose interleaved tiles would exceed a descriptor's 256-element block (up's
-    # 2 x block_n columns, dX's 2 x block_k rows): those tiles load through pointers, the results unchanged.
+    # 2 x block_n columns): those tiles load through pointers, the results unchanged.
     from moeblaze_fx.config import KernelOptions
 
     case = make_case(37, 40, 24, 5, 4, ids_mode="empty_expert", seed=12)
@@ -249,7 +253,42 @@ def test_other_layouts_take_the_strided_paths(monkeypatch, style):
     y, preact = expert_forward(x, wts, w, plan, "swiglu", True)
     grads = ExpertTables(*(table_of(torch.empty_like(t)) for t in (gate, up, down)))
     expert_backward(torch.randn_like(x), x, wts, w, preact, plan, "swiglu", grads=grads, recompute=False)
-    assert seen and all(s[1] is False for s in seen if s[0] in ("up", "down", "dw"))
+    # the up kernel's strided path, and dX as two B (dA's and dB's halves)
+    assert [s for s in seen if s[0] == "up"] == [("up", False, None)]
+    assert sorted(s for s in seen if s[0] == "down") == [("down", None, False), ("down", None, True)]
+
+
+@pytest.mark.parametrize("weights_interleaved", [True, False], ids=["weights-interleaved", "grads-interleaved"])
+def test_interleaved_weights_or_gradients_alone(monkeypatch, weights_interleaved):
+    # Only one of the weights and the gradient tables interleaved: dA|dB follows the weights, and the gate and up
+    # gradients take a launch each through dA's and dB's columns (strided views where dA|dB is interleaved).
+    seen = _interleaved_flags(monkeypatch)
+    case = make_case(37, 40, 24, 5, 4, ids_mode="empty_expert", seed=21)
+    E, h = case["E"], case["h"]
+    act = parse_activation(case["act"])
+    stored = roles(case["storage"])
+    dense = ExpertParams(*[None if t is None else t.contiguous() for t in stored])  # the same values, gate|up apart
+    p = stored if weights_interleaved else dense
+    biases = [None if b is None else b.contiguous() for b in (p.gate_bias, p.up_bias, p.down_bias)]
+    plan = dispatch_reference(case["ids"], E, block_m=plan_block_m())
+    y, preact = expert_forward(case["x"], case["weights"], tables_of_roles(p), plan, act, True, *biases)
+    if weights_interleaved:
+        g = {"gate": torch.empty(E, h, 40), "up": torch.empty(E, h, 40), "down": torch.empty(E, 40, h)}
+        grads = ExpertTables(table_of(g["gate"]), table_of(g["up"]), table_of(g["down"]))
+    else:
+        gs = roles({"gate_up": torch.empty(E, 40, 2 * h), "down": torch.empty(E, h, 40)})
+        grads = tables_of_roles(gs)
+        g = {"gate": gs.gate, "up": gs.up, "down": gs.down}
+    dx, dweights, dbg, dbu, dbd = expert_backward(case["grad_y"], case["x"], case["weights"], tables_of_roles(p),
+                                                  preact, plan, act, *biases, grads=grads, recompute=False)
+    y_ref, want = run_reference(case)
+    wref = roles(want)
+    assert rel_err(y, y_ref) <= 1e-5 and rel_err(dx, want["x"]) <= 1e-5 and rel_err(dweights, want["weights"]) <= 1e-5
+    for name in ("gate", "up", "down"):
+        assert rel_err(g[name], getattr(wref, name)) <= 1e-5, name
+    assert rel_err(dbg, wref.gate_bias) <= 1e-5 and rel_err(dbu, wref.up_bias) <= 1e-5
+    assert [s[0] for s in seen].count("dw") == 3  # down, gate, up
+    assert [s for s in seen if s[0] == "up"] == [("up", weights_interleaved, None)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives the Triton path on CPU tensors through the interpreter")
@@ -297,9 +336,8 @@ def test_operator_over_gpt_oss_storage_in_the_interpreter(monkeypatch, checkpoin
         assert windows == {0: 1, 20: 8, 48: 4}[chunk]
         ups = 2 if checkpoint == "recompute" else 1  # (A|B again by the up kernel in backward)
         assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (ups * windows)
-        assert sorted(s for s in seen if s[0] == "down") == sorted([("down", False, False)] * windows
-                                                                   + [("down", True, False)] * windows)
-        assert sorted(s[1] for s in seen if s[0] == "dw") == [False] * windows + [True] * windows
+        assert [s for s in seen if s[0] == "down"] == [("down", None, False)] * (2 * windows)
+        assert [s for s in seen if s[0] == "dw"] == [("dw", None, None)] * (2 * windows)
     assert ops._interleaved_gate_up(views) and not ops._interleaved_gate_up([views[1], views[0]])
 
 
@@ -344,6 +382,7 @@ CUDA_CASES = [
                               for c in CUDA_CASES])
 def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots, bias, policy):
     seen = _interleaved_flags(monkeypatch)
+    gluon0 = (sm90_down.launches(), sm90_dw.launches())
     case = make_case(T, d, h, E, K, act=GPT_OSS, bias=bias, dtype=torch.bfloat16, device="cuda", ids_mode=ids_mode,
                      seed=T + h)
     y, got = run_kernels(case, policy, window_slots)
@@ -358,10 +397,11 @@ def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slot
     assert windows == (3 if window_slots else 1)  # 2800 slots in windows of 1024
     ups = 2 if policy == "recompute" else 1  # two runs of forward and backward
     assert [s for s in seen if s[0] == "up"] == [("up", True, None)] * (2 * ups * windows)
-    assert seen.count(("down", True, False)) == 2 * windows
-    # dW interleaved where dA|dB's rows (2h bf16) are 16-byte aligned for a descriptor; else gate and up strided
-    aligned = (2 * h * 2) % 16 == 0
-    assert seen.count(("dw", True, None)) == (2 * windows if aligned else 0)
+    # per window and run, on either backend: Y and dX (one B over 2h) two down launches, dW_down and dW_gate|up
+    # (together, into the interleaved gradient) two dW launches
+    kinds = [s[0] for s in seen]
+    assert kinds.count("down") + sm90_down.launches() - gluon0[0] == 2 * 2 * windows
+    assert kinds.count("dw") + sm90_dw.launches() - gluon0[1] == 2 * 2 * windows
 
 
 @pytest.mark.cuda

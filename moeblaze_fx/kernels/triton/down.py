@@ -5,8 +5,7 @@ dX = dA @ W_gate[e] + dB @ W_up[e] (two K loops into one accumulator) are this k
 B is resolved once per call (:func:`down_operand`, a :class:`DownOperand`): its tables and strides, their proven
 alignment and descriptor mode (:func:`.common.weight_tma_mode`), and, where one tensor holds every expert's B, one
 host-built descriptor over all of them (:func:`host_weight_desc`). With interleaved gate and up weights (gpt-oss),
-dX contracts over 2h in one K loop, dA and dB joined column by column in registers against contiguous
-[2 * BLOCK_K, BLOCK_N] tiles of the [2h, d] matrix (:func:`_interleaved_k_loop`).
+dA|dB are interleaved alike and dX is one B of 2h rows (:func:`..tables.interleaved_table`), one K loop over 2h.
 
 On sm_90 the per-call plan (:class:`..plan.DownUnit`) hands a window to the Gluon kernel of :mod:`..sm90.down`
 instead (bitwise equal results) when the weights are row blocks of one tensor and the window's rows are 16-byte
@@ -24,7 +23,7 @@ from .. import autotune
 from ..autotune import plan_block_m
 from ..launch import sized
 from ..reference import DispatchPlan
-from ..tables import WeightTable, interleaved_gate_up
+from ..tables import WeightTable
 from .common import (
     SlotWindow,
     desc_view,
@@ -86,49 +85,6 @@ def _row_tile_k_loop(acc, a_ptrs, b_base, b_host, e, offs_n_ld, n0, k_dim, n_dim
     return acc
 
 
-@triton.jit
-def _interleaved_k_loop(acc, a_ptrs, b_base, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b_n,
-                        B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc += A0 @ B0 + A1 @ B1 with A0 = A[:, :k_dim], A1 = A[:, k_dim:2k_dim] and B0, B1 the even and odd rows
-    of one [2 k_dim, n_dim] matrix B of unit row stride at ``b_base`` (interleaved gate and up weights): per K
-    step one contiguous [2 BLOCK_K, BLOCK_N] tile of B against A0's and A1's [BLOCK_M, BLOCK_K] tiles joined
-    column by column into [BLOCK_M, 2 BLOCK_K]. B's tiles through pointers (columns ``offs_n_ld``) or, with
-    B_TMA (then 2: k contiguous), a descriptor built here; rows past 2 k_dim read as zeros or are masked."""
-    BLOCK_M: tl.constexpr = a_ptrs.shape[0]
-    offs_k = tl.arange(0, BLOCK_K)
-    # a descriptor's block spans at most 256 elements a dimension (TMA): deeper tiles load through pointers
-    DESC: tl.constexpr = B_TMA if 2 * BLOCK_K <= 256 else 0
-    if DESC:
-        tl.static_assert(DESC == 2)
-        b_desc = w_desc(b_base, 2 * k_dim, n_dim, 1, stride_b_n, DESC, 2 * BLOCK_K, BLOCK_N)
-    else:
-        offs_kk = tl.arange(0, 2 * BLOCK_K)
-        b_ptrs = b_base + offs_kk[:, None] + offs_n_ld[None, :].to(tl.int64) * stride_b_n  # [2 BK, BN]
-    a1_ptrs = a_ptrs + k_dim * stride_a_k
-    for k0 in range(0, k_dim, BLOCK_K):
-        if EVEN_K:
-            a0 = tl.load(a_ptrs)
-            a1 = tl.load(a1_ptrs)
-        else:
-            k_mask = offs_k < k_dim - k0
-            a0 = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            a1 = tl.load(a1_ptrs, mask=k_mask[None, :], other=0.0)
-        a = tl.reshape(tl.join(a0, a1), [BLOCK_M, 2 * BLOCK_K])  # column 2j: A0's j, 2j + 1: A1's j
-        if DESC:
-            b = w_tile(b_desc, 2 * k0, n0, DESC)
-        elif EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=(offs_kk < 2 * (k_dim - k0))[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_a_k
-        a1_ptrs += BLOCK_K * stride_a_k
-        if not DESC:
-            b_ptrs += 2 * BLOCK_K
-    return acc
-
-
 @triton.heuristics({
     "EVEN_K": lambda a: a["k_dim"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["n_dim"] % a["BLOCK_N"] == 0,
@@ -156,15 +112,10 @@ def _expert_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     B_HOST: tl.constexpr = False,  # B_TMA through b0_desc / b1_desc, not descriptors built per program
-    INTERLEAVED: tl.constexpr = False,  # B0, B1: the even and odd rows of one [2 k_dim, n_dim] matrix (below)
 ):
     """grid = (num_tiles * cdiv(n_dim, BLOCK_N),): for one row tile of expert e in the slot window
     [slot0, slot1), C[rows] = A[rows, :k_dim] @ B0[e] (+ A[rows, k_dim:2*k_dim] @ B1[e] when TWO_B) (+ bias[e]);
-    rows index the window's buffers from slot0.
-
-    INTERLEAVED (dX through interleaved gate and up weights, tables.interleaved_gate_up; TWO_B is then False and
-    B_HOST too): B0[e] and B1[e] are rows 0::2 and 1::2 of one [2 k_dim, n_dim] matrix of unit row stride at
-    b0_table_ptr's address (stride_b0_n along n), contracted in one K loop (:func:`_interleaved_k_loop`)."""
+    rows index the window's buffers from slot0."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_tiles, tl.cdiv(n_dim, BLOCK_N), GROUP_M)
     e, start, first, end = window_tile(pid_m, tile0_ptr, tiles_total, tile_expert_ptr, tile_start_ptr,
                                        offsets_ptr, slot0, slot1)
@@ -185,14 +136,9 @@ def _expert_down_kernel(
     n0 = pid_n * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if INTERLEAVED:
-        tl.static_assert(not TWO_B and not B_HOST)
-        acc = _interleaved_k_loop(acc, a_ptrs, table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), offs_n_ld, n0, k_dim,
-                                  n_dim, stride_a_k, stride_b0_n, B_TMA, DOT_PRECISION, BLOCK_K, BLOCK_N, EVEN_K)
-    else:
-        acc = _row_tile_k_loop(acc, a_ptrs, table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0,
-                               k_dim, n_dim, stride_a_k, stride_b0_k, stride_b0_n, B_TMA, B_HOST, DOT_PRECISION,
-                               BLOCK_K, BLOCK_N, EVEN_K)
+    acc = _row_tile_k_loop(acc, a_ptrs, table_ptr(b0_table_ptr, e, b_ty, B_ALIGN), b0_desc, e, offs_n_ld, n0,
+                           k_dim, n_dim, stride_a_k, stride_b0_k, stride_b0_n, B_TMA, B_HOST, DOT_PRECISION,
+                           BLOCK_K, BLOCK_N, EVEN_K)
     if TWO_B:  # dX = dA @ W_gate + dB @ W_up: a second K loop into the same accumulator
         acc = _row_tile_k_loop(acc, a_ptrs + k_dim * stride_a_k, table_ptr(b1_table_ptr, e, b_ty, B_ALIGN), b1_desc,
                                e, offs_n_ld, n0, k_dim, n_dim, stride_a_k, stride_b1_k, stride_b1_n, B_TMA, B_HOST,
@@ -209,7 +155,7 @@ def _expert_down_kernel(
 
 
 _expert_down_tuned = autotune.tuned(_expert_down_kernel, "down",
-                                    key=["n_dim", "k_dim", "TWO_B", "B_TMA", "INTERLEAVED"])
+                                    key=["n_dim", "k_dim", "TWO_B", "B_TMA"])
 
 
 class DownOperand(NamedTuple):
@@ -224,19 +170,10 @@ class DownOperand(NamedTuple):
     descs: tuple  # host tensor descriptors of B0, B1 when ``host``, else placeholders
     host: bool
     views: tuple  # with ``host``: the [E, k, n] / [E, n, k] views of B0 (and B1) the descriptors are built over
-    # B0, B1 interleaved (tables.interleaved_gate_up): one [2k, n] matrix of unit row stride through B0's table
-    interleaved: bool = False
 
 
 def down_operand(b0: WeightTable, b1: WeightTable | None, k_is_rows: bool, k_dim: int, x: Tensor) -> DownOperand:
     """Resolve the down kernel's B operand (see :class:`DownOperand`) for inputs like ``x``."""
-    if b1 is not None and k_is_rows and interleaved_gate_up(b0, b1):
-        # dX through gpt-oss's gate_up_proj: one contraction over 2k (k contiguous: descriptor mode 2 or pointers)
-        align = table_align(b0)
-        mode = weight_tma_mode([(1, b0.stride_c)], align, x.element_size(), x.device) if k_dim > 0 else 0
-        mode = mode if mode == 2 else 0
-        return DownOperand((b0.ptrs, b0.ptrs), (1, b0.stride_c, 1, b0.stride_c), False, align, mode,
-                           (b0.ptrs, b0.ptrs), False, (), True)
     tables = [b0, b1] if b1 is not None else [b0, b0]
     kn = [(t.stride_r, t.stride_c) if k_is_rows else (t.stride_c, t.stride_r) for t in tables]
     align = table_align(b0, b1)
@@ -268,7 +205,7 @@ def down_project(a: Tensor, k_dim: int, b: DownOperand, n_dim: int, plan: Dispat
         plan.tile_expert, plan.tile_start, window.tile0, num_tiles, plan.tile_expert.numel(), window.slot0,
         window.slot1, n_dim, k_dim, a.stride(0), a.stride(1), *b.strides, out.stride(0), out.stride(1),
         TWO_B=b.two_b, HAS_BIAS=bias is not None, B_ALIGN=b.align, B_TMA=b.mode, B_HOST=b.host,
-        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(), INTERLEAVED=b.interleaved,
+        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=plan_block_m(),
     )
     return out
 

@@ -3,8 +3,8 @@ through token_index (no gathered copy is built).
 
     _expert_dw_kernel        dW[e] (+)= sum_{s in e} a[tok_s].T b[s]: dW_down from dy and w*H; dW_gate, dW_up (as their
                              transposes) from x and dA, dB; one launch for both where up's rows follow gate's in one
-                             [E, 2h, d] tensor (:func:`gate_up_table`), or one writing the interleaved [d, 2h] gradient
-                             of gpt-oss's gate_up_proj (:func:`interleaved_grad_table`)
+                             [E, 2h, d] tensor (:func:`gate_up_table`), or the interleaved [d, 2h] gradient of
+                             gpt-oss's gate_up_proj from dA|dB interleaved alike (:func:`interleaved_grad_table`)
     _expert_bias_grad_kernel per expert and column block: sum_{s in e} (w_s) src[row_s]; for the down bias also
                              <dy[tok_s], b_down[e]> partials by slot (the routing-weight gradient)
 
@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import autotune
 from ..launch import launch, sized
 from ..reference import DispatchPlan
-from ..tables import WeightTable, interleaved_gate_up, table_of
+from ..tables import WeightTable, interleaved_gate_up, interleaved_table, table_of
 from .common import dot_precision, grouped_tile_ids, table_align, table_ptr, tma_available
 
 __all__ = ["dw_tma", "transposed", "gate_up_table", "interleaved_grad_table", "weight_grad", "bias_grad",
@@ -68,7 +68,6 @@ def _expert_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     ROWS32: tl.constexpr,  # every element offset of a and b fits in int32: 32-bit row arithmetic
-    INTERLEAVED: tl.constexpr = False,  # b is dA|dB [.., n_dim]; C's columns interleave them (below)
 ):
     """grid = (E * cdiv(m_dim, BLOCK_M) * cdiv(n_dim, BLOCK_N),): one output tile of one expert per program,
     dW[e] = sum over e's slots s in the window of a[token(s)].T @ b[s], the contraction running over the
@@ -81,13 +80,7 @@ def _expert_dw_kernel(
     The gathered operand is always A (tokens' columns along the tile's rows) and the slot-ordered one B:
     a weight gradient whose natural form has the gathered operand on the right (dW_gate = dA.T @ x[tok]) is
     computed transposed, through a transposed output table. With the gathered operand on the right instead, the
-    best tile of that form ran 6-11 % slower (H100, raw launches; docs/dw.md).
-
-    INTERLEAVED (gate and up interleaved column by column, tables.interleaved_gate_up): C[e] is the [d, 2h] =
-    [m_dim, n_dim] gradient of the stored gate_up matrix, written with unit column stride, and b the window's dA|dB
-    [.., n_dim] (gate first): C's column 2j is dA's column j, 2j + 1 dB's. A program's BLOCK_N columns take
-    BLOCK_N / 2 columns of dA and of dB (two loads, through b_desc of block [BLOCK_K, BLOCK_N / 2] when TMA),
-    joined in registers."""
+    best tile of that form ran 6-11 % slower (H100, raw launches; docs/dw.md)."""
     num_m = tl.cdiv(m_dim, BLOCK_M)
     num_n = tl.cdiv(n_dim, BLOCK_N)
     pid = tl.program_id(0)
@@ -114,13 +107,7 @@ def _expert_dw_kernel(
         offs_m_ld = offs_m
     else:
         offs_m_ld = offs_m % m_dim
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    half = n_dim // 2  # INTERLEAVED: h, the columns of dA (and of dB, which follow)
-    if INTERLEAVED:  # columns of dA (and, h further, of dB) whose pairs are this tile's; wrapped ones are dropped
-        offs_n_ld = pid_n * HALF_N + tl.arange(0, HALF_N)
-        if not EVEN_N:
-            offs_n_ld = offs_n_ld % half
-    elif EVEN_N:
+    if EVEN_N:
         offs_n_ld = offs_n
     else:
         offs_n_ld = offs_n % n_dim
@@ -157,23 +144,11 @@ def _expert_dw_kernel(
         # a program builds no descriptor of its own. One bounded by the segment, built here, cost the three dW
         # launches 4.9 % at C and 2.6 % at D in the layer step: a global write and a proxy fence on the way to
         # the first load (H100; docs/dw.md).
-        if INTERLEAVED:
-            tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == HALF_N))
-        else:
-            tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == BLOCK_N))
+        tl.static_assert((b_desc.block_shape[0] == BLOCK_K) & (b_desc.block_shape[1] == BLOCK_N))
     for i in range(0, n_full):
         tok = _token_rows(token_index_ptr, s, seg_hi, K, IDX)
         a = tl.load(a_ptr + tok[None, :] * stride_a_r + offs_m_ld[:, None] * stride_a_m)  # [BLOCK_M, BLOCK_K]
-        if INTERLEAVED:
-            if TMA:
-                b0 = b_desc.load([seg_lo - slot0 + i * BLOCK_K, pid_n * HALF_N])
-                b1 = b_desc.load([seg_lo - slot0 + i * BLOCK_K, half + pid_n * HALF_N])
-            else:
-                b_ptrs = b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n
-                b0 = tl.load(b_ptrs)
-                b1 = tl.load(b_ptrs + half * stride_b_n)
-            b = tl.reshape(tl.join(b0, b1), [BLOCK_K, BLOCK_N])  # column 2j: dA's column j, 2j + 1: dB's
-        elif TMA:
+        if TMA:
             b = b_desc.load([seg_lo - slot0 + i * BLOCK_K, pid_n * BLOCK_N])
         else:
             b = tl.load(b_ptr + (s - slot0).to(IDX)[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n)
@@ -186,12 +161,7 @@ def _expert_dw_kernel(
                     other=0.0)
         s_ld = (tl.minimum(s, seg_hi - 1) - slot0).to(IDX)
         b_ptrs = b_ptr + s_ld[:, None] * stride_b_r + offs_n_ld[None, :] * stride_b_n
-        if INTERLEAVED:
-            b0 = tl.load(b_ptrs, mask=s_mask[:, None], other=0.0)
-            b1 = tl.load(b_ptrs + half * stride_b_n, mask=s_mask[:, None], other=0.0)
-            b = tl.reshape(tl.join(b0, b1), [BLOCK_K, BLOCK_N])
-        else:
-            b = tl.load(b_ptrs, mask=s_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=s_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     tl.store(out_ptrs, acc.to(out_e.dtype.element_ty), mask=out_mask)
@@ -254,7 +224,7 @@ def _expert_bias_grad_kernel(
     tl.store(out_ptr + e.to(tl.int64) * n_dim + offs_n, tl.sum(acc, axis=0), mask=n_mask)
 
 
-_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA", "INTERLEAVED"])
+_expert_dw_tuned = autotune.tuned(_expert_dw_kernel, "dw", key=["m_dim", "n_dim", "TMA"])
 # Keys (m_dim, n_dim, descriptor or not, operand dtypes, out dtype) whose autotuning has been done by a
 # non-accumulating launch: see weight_grad.
 _DW_TUNED_KEYS: set[tuple] = set()
@@ -295,21 +265,15 @@ def gate_up_table(gate: WeightTable, up: WeightTable | None) -> WeightTable | No
 def interleaved_grad_table(gate: WeightTable, up: WeightTable | None) -> WeightTable | None:
     """Where gate's and up's gradients are interleaved column by column (:func:`.tables.interleaved_gate_up`):
     one table of their [cols, 2h] matrices (gpt-oss's gate_up_proj [E, d, 2h] per expert), unit column stride,
-    through gate's addresses: dW_gate and dW_up are then one dW launch whose output tiles are contiguous along 2h.
-    None otherwise."""
-    if not interleaved_gate_up(gate, up):
-        return None
-    g = gate.dense  # [E, h, c] with strides (., 2, stride_c)
-    E, h, c = g.shape
-    return table_of(g.as_strided((E, c, 2 * h), (g.stride(0), g.stride(2), 1)))
+    through gate's addresses: with dA|dB interleaved the same way, dW_gate and dW_up are one plain dW launch over
+    its 2h columns. None otherwise."""
+    return transposed(interleaved_table(gate, up)) if interleaved_gate_up(gate, up) else None
 
 
 def weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchPlan, K: int,
-                accumulate: bool, window: tuple[int, int, int], interleaved: bool = False) -> None:
+                accumulate: bool, window: tuple[int, int, int]) -> None:
     """dW[e] (+)= sum over e's slots s in the window of tokens[token(s)].T @ slots[s - slot0], written through
-    the table ``out`` ([tokens' columns, slots' columns]). ``window`` = (slot0, slot1, own_end): see the kernel.
-    ``interleaved``: ``slots`` is dA|dB [.., 2h] and ``out`` the [d, 2h] matrices of interleaved gate and up
-    gradients (:func:`interleaved_grad_table`), whose column 2j is dA's column j and 2j + 1 dB's."""
+    the table ``out`` ([tokens' columns, slots' columns]). ``window`` = (slot0, slot1, own_end): see the kernel."""
     E, m_dim, n_dim = out.ptrs.numel(), out.rows, out.cols
     if E == 0 or m_dim == 0 or n_dim == 0:
         return
@@ -319,11 +283,7 @@ def weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchP
         return (E * triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
     tma = dw_tma(slots)
-    if interleaved:  # two loads of BLOCK_N / 2 columns (dA's, dB's) per chunk
-        b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"] // 2]) \
-            if tma else slots
-    else:
-        b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]) if tma else slots
+    b_desc = autotune.fitted_descriptor(slots, lambda meta: [meta["BLOCK_K"], meta["BLOCK_N"]]) if tma else slots
 
     def go(table: WeightTable, acc: bool) -> None:
         autotune.launch(
@@ -331,12 +291,12 @@ def weight_grad(tokens: Tensor, slots: Tensor, out: WeightTable, plan: DispatchP
             tokens, slots, b_desc, table.ptrs, plan.token_index, plan.offsets, m_dim, n_dim, K, *window,
             tokens.stride(0), tokens.stride(1), slots.stride(0), slots.stride(1), table.stride_r, table.stride_c,
             OUT_FP32=out_fp32, ACCUMULATE=acc, MAY_ADD=acc or window[0] > 0,
-            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype), INTERLEAVED=interleaved,
+            TMA=tma, O_ALIGN=table_align(table), DOT_PRECISION=dot_precision(tokens.dtype),
         )
 
-    # At least as fine as the autotuner's key (m_dim, n_dim, TMA, INTERLEAVED and the operand dtypes): a key
-    # coarser than the tuner's would let an adding launch be the first of a new tuner key, and be timed.
-    key = (m_dim, n_dim, tma, interleaved, tokens.dtype, slots.dtype, out.dtype)
+    # At least as fine as the autotuner's key (m_dim, n_dim, TMA and the operand dtypes): a key coarser than the
+    # tuner's would let an adding launch be the first of a new tuner key, and be timed.
+    key = (m_dim, n_dim, tma, tokens.dtype, slots.dtype, out.dtype)
     adds = accumulate or window[0] > 0  # windows after the first add onto experts started earlier
     if adds and autotune.autotuning() and key not in _DW_TUNED_KEYS:
         # The autotuner runs a kernel many times while timing it: an accumulating launch would add its

@@ -6,7 +6,7 @@ Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0
 :func:`..tables.interleaved_gate_up` decides from the tables): each role alone is strided by 2 along h, which only
 element-wise loads can read. The INTERLEAVED path reads each expert's [d, 2h] instead as one matrix, contiguous along
 2h (a descriptor over it where its rows are 16-byte aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose
-adjacent columns it splits into A and B.
+adjacent columns it splits into A and B; A|B is then kept interleaved alike (:func:`.common.preact_strides`).
 
 The forward's orchestration (:mod:`..forward`) and the backward's "recompute" with interleaved weights
 (:mod:`..backward`) launch it through :func:`up_project`.
@@ -27,6 +27,7 @@ from .common import (
     SlotWindow,
     dot_precision,
     grouped_tile_ids,
+    preact_strides,
     table_align,
     table_ptr,
     w_desc,
@@ -93,6 +94,7 @@ def _expert_up_kernel(
     up_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_UP_BIAS
     hid_ptr,  # [slot1 - slot0, h] x.dtype, out: H = act(A, B), the window's slots
     preact_ptr,  # [slot1 - slot0, 2h] (gated) or [.., h] x.dtype, out when SAVE_PREACT: A|B, the window's slots
+    # (B at pre_b_off from A: common.preact_strides)
     token_index_ptr,  # [N] int32: pair of each slot
     offsets_ptr,  # [E+1] int32: first slot of each expert
     tile_expert_ptr,  # [tiles_total] int32: expert of each row tile, -1 past the last
@@ -103,7 +105,7 @@ def _expert_up_kernel(
     stride_wg_n, stride_wg_d,
     stride_wu_n, stride_wu_d,
     stride_hid_s, stride_hid_n,
-    stride_pre_s, stride_pre_n,
+    stride_pre_s, stride_pre_n, pre_b_off,
     alpha, limit,  # fp32: the clamped SwiGLUs' parameters (unused otherwise)
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
@@ -207,7 +209,7 @@ def _expert_up_kernel(
     if GATED:
         b = acc_b.to(out_ty)
         if SAVE_PREACT:
-            tl.store(pre_ptrs + h * stride_pre_n, b, mask=mask)
+            tl.store(pre_ptrs + pre_b_off, b, mask=mask)
         hid = act_forward(a.to(tl.float32), b.to(tl.float32), alpha, limit, ACT)
     else:
         af = a.to(tl.float32)
@@ -236,8 +238,10 @@ def up_project(x: Tensor, w: ExpertTables, gate_bias: Tensor | None, up_bias: Te
                pre: Tensor, plan: DispatchPlan, win: SlotWindow, d: int, h: int, K: int, act: Activation,
                save_preact: bool, align: int, w_tma: int) -> None:
     """One window's up projection through ``_expert_up_kernel``: H into ``hid``, A|B into ``pre`` when
-    ``save_preact`` (else ``pre`` is a placeholder, never written); ``align``, ``w_tma`` from :func:`up_weight_mode`."""
+    ``save_preact`` (else ``pre`` is a placeholder, never written), interleaved where the weights are
+    (:func:`.common.preact_strides`); ``align``, ``w_tma`` from :func:`up_weight_mode`."""
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
+    interleaved = interleaved_gate_up(w.gate, w.up)
 
     def grid(meta, num_tiles=win.num_tiles):
         return (num_tiles * triton.cdiv(h, meta["BLOCK_N"]),)
@@ -251,11 +255,11 @@ def up_project(x: Tensor, w: ExpertTables, gate_bias: Tensor | None, up_bias: Te
         x.stride(0), x.stride(1),
         w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
         hid.stride(0), hid.stride(1),
-        pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
+        *(preact_strides(pre, h, interleaved) if save_preact else (0, 0, 0)),
         float(act.alpha), float(act.limit),
         ACT=ACT_CODES[act.name], GATED=act.gated,
         HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
         W_ALIGN=align, W_TMA=w_tma,
         SAVE_PREACT=save_preact, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=plan_block_m(),
-        INTERLEAVED=interleaved_gate_up(w.gate, w.up),
+        INTERLEAVED=interleaved,
     )
