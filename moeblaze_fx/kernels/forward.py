@@ -69,9 +69,10 @@ Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0
 element-wise loads can read (no descriptor; the Gluon up kernel never takes them). The up kernel's INTERLEAVED path
 reads each expert's [d, 2h] instead as one matrix, contiguous along 2h (a descriptor over it where its rows are 16-byte
 aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose adjacent columns it splits into A and B. The saved A|B
-(and the backward's dA|dB) are then interleaved the same way, column 2j A's column j and 2j + 1 B's
-(:func:`.triton.common.preact_strides`): the backward's dX and dW_gate|up are plain GEMMs over the 2h columns, against
-the [2h, d] matrices (:func:`.tables.interleaved_table`) and into the stored [d, 2h] gradient, on either backend.
+(and the backward's dA|dB) are then interleaved the same way, column 2j A's column j and 2j + 1 B's (the up and dh
+kernels' epilogues split and join adjacent columns in registers): the backward's dX and dW_gate|up are plain GEMMs
+over the 2h columns, against the [2h, d] matrices (:func:`.tables.interleaved_table`) and into the stored [d, 2h]
+gradient, on either backend.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp32 is computed with IEEE fp32 dots
 (no tf32), which is what the interpreter tests use; on CUDA the operator runs it with one fixed configuration

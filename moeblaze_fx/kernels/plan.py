@@ -179,7 +179,7 @@ class BackwardPlan(NamedTuple):
     split: bool  # tdh.DH_SPLIT when the plan was made
     biased: bool
     # gate and up interleaved column by column (gpt-oss, tables.interleaved_gate_up): A|B and dA|dB are interleaved
-    # alike (triton.common.preact_strides), so that dX and dW_gate|up are plain GEMMs over their 2h columns
+    # alike (column 2j A's column j, 2j + 1 B's), so that dX and dW_gate|up are plain GEMMs over their 2h columns
     pairs: bool
 
     def dx_k(self, h: int) -> int:

@@ -39,7 +39,7 @@ from ..autotune import plan_block_m
 from ..reference import Activation, DispatchPlan, max_tiles, parse_activation
 from ..tables import ExpertTables, WeightTable, cacheable, stream_key
 
-__all__ = ["SUPPORTED_DTYPES", "grouped_tile_ids", "table_ptr", "w_desc", "w_tile", "window_tile", "table_align", "preact_strides",
+__all__ = ["SUPPORTED_DTYPES", "grouped_tile_ids", "table_ptr", "w_desc", "w_tile", "window_tile", "table_align",
            "tma_available", "ensure_tma_allocator", "weight_tma_mode", "check_table", "check_expert_inputs",
            "SlotWindow", "num_slot_windows", "slot_windows", "dot_precision", "desc_view"]
 
@@ -305,15 +305,6 @@ def _zero_tile(device: torch.device) -> Tensor:
 @functools.lru_cache(maxsize=64)
 def _kept_zero(device: torch.device, stream: int) -> Tensor:  # noqa: ARG001 (a key)
     return torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def preact_strides(t: Tensor, h: int, pairs: bool) -> tuple[int, int, int]:
-    """(row stride, column stride of A, offset of B from A) of the A|B (or dA|dB) buffer ``t``: A's h columns then
-    B's, or with ``pairs`` (interleaved gate and up weights, :func:`..tables.interleaved_gate_up`) column 2j A's
-    column j and 2j + 1 B's, as the weights' own columns. Either way the kernels address B at A's address plus the
-    offset."""
-    s = t.stride(1)
-    return (t.stride(0), 2 * s, s) if pairs else (t.stride(0), s, h * s)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

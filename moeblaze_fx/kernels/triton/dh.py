@@ -5,8 +5,8 @@
 
 then the epilogue, the activation recomputed in registers (constexpr ACT): H = act(A, B); the routing-weight
 gradient's partial <dH', H> over the program's columns, by slot; dH = w * dH'; dA, dB = act'(A, B) dH.
-Out: dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N+1] fp32 by slot. A|B and dA|dB are dA's h
-columns then dB's, or interleaved column by column where the gate and up weights are (:func:`.common.preact_strides`).
+Out: dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N+1] fp32 by slot. A|B and dA|dB are A's h
+columns then B's, or interleaved column by column where the gate and up weights are (PAIRS, gpt-oss's).
 
 Under "activations" the kernel runs as two launches (:data:`DH_SPLIT`, PHASE 1 then 2): the GEMM, dH' stored into
 the w*H buffer, then the epilogue reading it back. :func:`dh_launch` runs one launch of one kind (``"dh"``,
@@ -24,8 +24,7 @@ from ..autotune import plan_block_m
 from ..launch import sized
 from ..reference import Activation, DispatchPlan
 from ..tables import ExpertTables, interleaved_gate_up
-from .common import (SlotWindow, dot_precision, grouped_tile_ids, preact_strides, table_align, table_ptr,
-                     window_tile)
+from .common import SlotWindow, dot_precision, grouped_tile_ids, table_align, table_ptr, window_tile
 
 __all__ = ["MAX_BLOCK_N", "DH_SPLIT", "dh_launch"]
 
@@ -42,15 +41,17 @@ def _dh_epilogue(
     dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out
     part_ptr,  # [num_chunks, N + 1] fp32, out: by slot
-    stride_pre_s, stride_pre_n, pre_b_off, stride_dpre_s, stride_dpre_n, dpre_b_off, stride_hw_s, stride_hw_n,
-    stride_part_c,
+    stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
     ACT: tl.constexpr, GATED: tl.constexpr,
     RECOMPUTE: tl.constexpr, CHUNK_N: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """Activation backward for hidden columns [col0, col0 + BLOCK_N) of rows [first, end) of the tile starting
     at slot ``start`` (buffers hold the window's rows from slot0), the activation recomputed here. Addresses
     are a scalar 64-bit base per tile plus int32 offsets inside it: per-element 64-bit pointers cost two
-    registers each and made this epilogue spill."""
+    registers each and made this epilogue spill. PAIRS: A|B and dA|dB interleaved column by column (A's column j at
+    2j, B's at 2j + 1), read and written as one contiguous [BLOCK_M, 2 * BLOCK_N] tile split into (joined from) A
+    and B in registers: two loads of every other element made the split dh's epilogue 2.5x slower (H100)."""
     io_ty = dpre_ptr.dtype.element_ty
     BLOCK_M: tl.constexpr = wt.shape[0]
     local = tl.arange(0, BLOCK_M)
@@ -70,12 +71,19 @@ def _dh_epilogue(
         else:
             offs_n_ld = offs_n % h
         pre_base = preact_ptr + start64 * stride_pre_s
-        pre_offs = local_ld[:, None] * stride_pre_s + offs_n_ld[None, :] * stride_pre_n  # int32 inside the tile
-        a = tl.load(pre_base + pre_offs).to(tl.float32)
-        if GATED:
-            b = tl.load(pre_base + pre_b_off + pre_offs).to(tl.float32)
+        if PAIRS:  # (2h is even: a wrapped pair is still a pair)
+            offs_ab = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+            if not EVEN_N:
+                offs_ab = offs_ab % (2 * h)
+            ab = tl.load(pre_base + local_ld[:, None] * stride_pre_s + offs_ab[None, :] * stride_pre_n)
+            a, b = tl.split(tl.reshape(ab.to(tl.float32), [BLOCK_M, BLOCK_N, 2]))
         else:
-            b = a  # unused
+            pre_offs = local_ld[:, None] * stride_pre_s + offs_n_ld[None, :] * stride_pre_n  # int32 inside the tile
+            a = tl.load(pre_base + pre_offs).to(tl.float32)
+            if GATED:
+                b = tl.load(pre_base + h * stride_pre_n + pre_offs).to(tl.float32)
+            else:
+                b = a  # unused
     d_hid = acc_dh * wt[:, None]
     hid, d_a, d_b = act_backward(a, b, d_hid, alpha, limit, ACT)
     # <dH', H> over these columns; wrapped columns (offs_n >= h) must not count.
@@ -89,10 +97,19 @@ def _dh_epilogue(
     else:
         mask = row_mask[:, None] & (offs_n < h)[None, :]
     dpre_base = dpre_ptr + start64 * stride_dpre_s
-    dpre_offs = local[:, None] * stride_dpre_s + offs_n[None, :] * stride_dpre_n
-    tl.store(dpre_base + dpre_offs, d_a.to(io_ty), mask=mask)
-    if GATED:
-        tl.store(dpre_base + dpre_b_off + dpre_offs, d_b.to(io_ty), mask=mask)
+    if PAIRS:
+        offs_ab = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+        d_ab = tl.reshape(tl.join(d_a.to(io_ty), d_b.to(io_ty)), [BLOCK_M, 2 * BLOCK_N])
+        if EVEN_N:
+            mask_ab = row_mask[:, None]
+        else:
+            mask_ab = row_mask[:, None] & (offs_ab < 2 * h)[None, :]
+        tl.store(dpre_base + local[:, None] * stride_dpre_s + offs_ab[None, :] * stride_dpre_n, d_ab, mask=mask_ab)
+    else:
+        dpre_offs = local[:, None] * stride_dpre_s + offs_n[None, :] * stride_dpre_n
+        tl.store(dpre_base + dpre_offs, d_a.to(io_ty), mask=mask)
+        if GATED:
+            tl.store(dpre_base + h * stride_dpre_n + dpre_offs, d_b.to(io_ty), mask=mask)
     hw_ptrs, _ = _dh_tile(hw_ptr, col0, start, first, end, slot0, h, stride_hw_s, stride_hw_n, BLOCK_M, BLOCK_N, EVEN_N)
     tl.store(hw_ptrs, (hid * wt[:, None]).to(io_ty), mask=mask)
     # Partial sums live in chunks of CHUNK_N columns: these columns own chunks
@@ -135,7 +152,7 @@ def _expert_dh_kernel(
     up_bias_ptr,  # [E, h] x.dtype contiguous, read when RECOMPUTE and HAS_UP_BIAS
     weights_ptr,  # [T, K] any float dtype: routing weights
     preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype: saved A|B of the window's slots, read unless RECOMPUTE
-    dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out: dA|dB of the window's slots (B, dB: at *_b_off)
+    dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out: dA|dB of the window's slots
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out: w * H of the window's slots
     part_ptr,  # [num_chunks, N + 1] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by slot
     token_index_ptr,  # [N] int32
@@ -150,8 +167,8 @@ def _expert_dh_kernel(
     stride_wu_n, stride_wu_d,
     stride_wd_d, stride_wd_n,
     stride_wt_t, stride_wt_k,
-    stride_pre_s, stride_pre_n, pre_b_off,
-    stride_dpre_s, stride_dpre_n, dpre_b_off,
+    stride_pre_s, stride_pre_n,
+    stride_dpre_s, stride_dpre_n,
     stride_hw_s, stride_hw_n,
     stride_part_c,
     alpha, limit,  # fp32: the clamped SwiGLUs' parameters (unused otherwise)
@@ -165,6 +182,7 @@ def _expert_dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PHASE: tl.constexpr = 0,  # 0: GEMM and epilogue; 1: the GEMM only; 2: the epilogue only (see below)
+    PAIRS: tl.constexpr = False,  # A|B, dA|dB interleaved column by column (see _dh_epilogue)
 ):
     """grid = (num_tiles * cdiv(h, SPLIT_N * BLOCK_N),), over the row tiles of the slot window [slot0, slot1):
     SPLIT_N side-by-side BLOCK_M x BLOCK_N tiles of dH' per program (SPLIT_N = 2: a 128-wide tile for the
@@ -274,15 +292,13 @@ def _expert_dh_kernel(
             acc_b += tl.load(up_bias_ptr + e.to(tl.int64) * h + offs_n0).to(tl.float32)[None, :]
     _dh_epilogue(acc_dh0, acc_a, acc_b, col0, start, first, end, slot0, wt, h, alpha, limit,
                  preact_ptr, dpre_ptr, hw_ptr, part_ptr,
-                 stride_pre_s, stride_pre_n, pre_b_off, stride_dpre_s, stride_dpre_n, dpre_b_off, stride_hw_s,
-                 stride_hw_n, stride_part_c,
-                 ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
+                 stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
+                 ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N, PAIRS)
     if SPLIT_N == 2:
         _dh_epilogue(acc_dh1, acc_a, acc_b, col0 + BLOCK_N, start, first, end, slot0, wt, h, alpha, limit,
                      preact_ptr, dpre_ptr, hw_ptr, part_ptr,
-                     stride_pre_s, stride_pre_n, pre_b_off, stride_dpre_s, stride_dpre_n, dpre_b_off, stride_hw_s,
-                     stride_hw_n, stride_part_c,
-                     ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N)
+                     stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
+                     ACT, GATED, RECOMPUTE, CHUNK_N, BLOCK_N, EVEN_N, PAIRS)
 
 
 _expert_dh_tuned = autotune.tuned(_expert_dh_kernel, "dh", key=["d", "h", "ACT"])
@@ -308,7 +324,6 @@ def dh_launch(kind: str, phase: int, grad_y: Tensor, x: Tensor, w: ExpertTables,
     1 the GEMM, 2 the epilogue); ``recompute``: A|B recomputed inside the kernel (``pre`` then a placeholder, never
     read), else read from ``pre``; ``part``: the <dH', H> partials' rows, by slot; ``chunk``: their column width."""
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
-    pairs = interleaved_gate_up(w.gate, w.up)  # A|B, dA|dB interleaved as the weights
 
     def grid(meta, num_tiles=win.num_tiles):
         width_n = meta["BLOCK_N"] * meta["SPLIT_N"]
@@ -325,12 +340,12 @@ def dh_launch(kind: str, phase: int, grad_y: Tensor, x: Tensor, w: ExpertTables,
         grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1),
         w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c, w.down.stride_r, w.down.stride_c,
         weights.stride(0), weights.stride(1),
-        *preact_strides(pre, h, pairs), *preact_strides(dpre, h, pairs), hw.stride(0), hw.stride(1),
+        pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hw.stride(0), hw.stride(1),
         part.stride(0),
         float(act.alpha), float(act.limit),
         ACT=ACT_CODES[act.name], GATED=act.gated,
         HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
         W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
         RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-        PHASE=phase,
+        PHASE=phase, PAIRS=interleaved_gate_up(w.gate, w.up),  # A|B, dA|dB interleaved as the weights
     )

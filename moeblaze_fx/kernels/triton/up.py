@@ -6,7 +6,9 @@ Interleaved gate and up (gpt-oss's ``gate_up_proj [E, d, 2h]``: gate = columns 0
 :func:`..tables.interleaved_gate_up` decides from the tables): each role alone is strided by 2 along h, which only
 element-wise loads can read. The INTERLEAVED path reads each expert's [d, 2h] instead as one matrix, contiguous along
 2h (a descriptor over it where its rows are 16-byte aligned), into one [BLOCK_M, 2 * BLOCK_N] accumulator whose
-adjacent columns it splits into A and B; A|B is then kept interleaved alike (:func:`.common.preact_strides`).
+adjacent columns it splits into A and B; a saved A|B is interleaved alike (column 2j A's column j, 2j + 1 B's), one
+contiguous [BLOCK_M, 2 * BLOCK_N] tile per program: its two halves stored apart, every other element, made the
+kernel 2.1x slower at gpt-oss's shape (H100).
 
 The forward's orchestration (:mod:`..forward`) and the backward's "recompute" with interleaved weights
 (:mod:`..backward`) launch it through :func:`up_project`.
@@ -27,7 +29,6 @@ from .common import (
     SlotWindow,
     dot_precision,
     grouped_tile_ids,
-    preact_strides,
     table_align,
     table_ptr,
     w_desc,
@@ -94,7 +95,6 @@ def _expert_up_kernel(
     up_bias_ptr,  # [E, h] x.dtype contiguous, read when HAS_UP_BIAS
     hid_ptr,  # [slot1 - slot0, h] x.dtype, out: H = act(A, B), the window's slots
     preact_ptr,  # [slot1 - slot0, 2h] (gated) or [.., h] x.dtype, out when SAVE_PREACT: A|B, the window's slots
-    # (B at pre_b_off from A: common.preact_strides)
     token_index_ptr,  # [N] int32: pair of each slot
     offsets_ptr,  # [E+1] int32: first slot of each expert
     tile_expert_ptr,  # [tiles_total] int32: expert of each row tile, -1 past the last
@@ -105,7 +105,7 @@ def _expert_up_kernel(
     stride_wg_n, stride_wg_d,
     stride_wu_n, stride_wu_d,
     stride_hid_s, stride_hid_n,
-    stride_pre_s, stride_pre_n, pre_b_off,
+    stride_pre_s, stride_pre_n,
     alpha, limit,  # fp32: the clamped SwiGLUs' parameters (unused otherwise)
     ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
@@ -202,14 +202,22 @@ def _expert_up_kernel(
         mask = row_mask[:, None]
     else:
         mask = row_mask[:, None] & (offs_n < h)[None, :]
-    if SAVE_PREACT:
+    if SAVE_PREACT and not INTERLEAVED:
         pre_ptrs = preact_ptr + rows64[:, None] * stride_pre_s + offs_n[None, :] * stride_pre_n
         tl.store(pre_ptrs, a, mask=mask)
     # H from the rounded A|B: the same values the backward recomputes from the saved preact.
     if GATED:
         b = acc_b.to(out_ty)
-        if SAVE_PREACT:
-            tl.store(pre_ptrs + pre_b_off, b, mask=mask)
+        if SAVE_PREACT and INTERLEAVED:  # A|B interleaved as the weights: one contiguous [BLOCK_M, 2 BLOCK_N] tile
+            offs_ab = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+            if EVEN_N:
+                mask_ab = row_mask[:, None]
+            else:
+                mask_ab = row_mask[:, None] & (offs_ab < 2 * h)[None, :]
+            tl.store(preact_ptr + rows64[:, None] * stride_pre_s + offs_ab[None, :] * stride_pre_n,
+                     tl.reshape(tl.join(a, b), [BLOCK_M, 2 * BLOCK_N]), mask=mask_ab)
+        elif SAVE_PREACT:
+            tl.store(pre_ptrs + h * stride_pre_n, b, mask=mask)
         hid = act_forward(a.to(tl.float32), b.to(tl.float32), alpha, limit, ACT)
     else:
         af = a.to(tl.float32)
@@ -238,8 +246,8 @@ def up_project(x: Tensor, w: ExpertTables, gate_bias: Tensor | None, up_bias: Te
                pre: Tensor, plan: DispatchPlan, win: SlotWindow, d: int, h: int, K: int, act: Activation,
                save_preact: bool, align: int, w_tma: int) -> None:
     """One window's up projection through ``_expert_up_kernel``: H into ``hid``, A|B into ``pre`` when
-    ``save_preact`` (else ``pre`` is a placeholder, never written), interleaved where the weights are
-    (:func:`.common.preact_strides`); ``align``, ``w_tma`` from :func:`up_weight_mode`."""
+    ``save_preact`` (else ``pre`` is a placeholder, never written), interleaved where the weights are;
+    ``align``, ``w_tma`` from :func:`up_weight_mode`."""
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
     interleaved = interleaved_gate_up(w.gate, w.up)
 
@@ -255,7 +263,7 @@ def up_project(x: Tensor, w: ExpertTables, gate_bias: Tensor | None, up_bias: Te
         x.stride(0), x.stride(1),
         w.gate.stride_r, w.gate.stride_c, up.stride_r, up.stride_c,
         hid.stride(0), hid.stride(1),
-        *(preact_strides(pre, h, interleaved) if save_preact else (0, 0, 0)),
+        pre.stride(0) if save_preact else 0, pre.stride(1) if save_preact else 0,
         float(act.alpha), float(act.limit),
         ACT=ACT_CODES[act.name], GATED=act.gated,
         HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
