@@ -48,7 +48,8 @@ adding onto those that started earlier; dx and the bias gradients add up across 
 
 On sm_90 (the call's plan decides, :func:`.plan.backward_plan`, once per call and per window where the window's
 buffers matter) the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.sm90.dw` when the
-shapes allow (d % 128 == 0, h % 256 == 0, 16-byte aligned rows); its results are bitwise the Triton kernel's.
+rows allow (16-byte aligned, unit column strides; tiles past d or h read zeros and store nothing); its results are
+bitwise the Triton kernel's.
 Likewise dh's GEMM (the split's first launch) goes to the gathering kernel of :mod:`.sm90.gather` when d % 64 == 0
 and W_down is row blocks of one tensor; for a gated activation of ``sm90.gather.ACTIVATIONS`` with h % 16 == 0 both
 launches are one there, dH' never stored (elsewhere the epilogue stays a Triton launch). The kernel option

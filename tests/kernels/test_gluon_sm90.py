@@ -99,7 +99,7 @@ def test_dw_leaves_tables_past_32_bit_offsets_to_triton():
         assert sm90_dw.table_ok(table(d, 2 * h, E * 2 * h, 1)) == fits  # rows along d, 2h contiguous
         assert sm90_dw.table_ok(table(2 * h, d, 1, E * 2 * h)) == fits  # the same matrix read transposed
     assert sm90_dw.table_ok(table(d, 2 * h, 2 * h, 1))
-    assert not sm90_dw.table_ok(table(d, 2 * h - 128, 2 * h, 1))  # columns not a multiple of 256
+    assert sm90_dw.table_ok(table(d - 64, 2 * h - 128, 2 * h, 1))  # ragged tiles: rows and columns off the tile's
     assert not sm90_dw.table_ok(table(d, 2 * h, 2 * h + 4, 1))  # a row stride that is not a multiple of 16 bytes
 
 
@@ -190,26 +190,28 @@ def _need_sm90():
         pytest.skip("this Triton build has no Gluon")
 
 
-# (T, d, h, E, K, ids_mode, layout, bias, dtype, window_slots, down launches, dW launches per forward + backward,
-# gathering launches (up, dh)): down counts Y and dX per window; dX takes the Triton kernel when h % 64 != 0 (its
-# weights have n contiguous) and the list layout (no [E, r, c] tensor) never takes it. dW counts dW_down, dW_gate
-# and dW_up per window (dW_gate and dW_up as one launch for hf_fused, whose up rows follow gate's); it takes the
-# Triton kernel when d % 128 != 0 or h % 256 != 0 (2h for hf_fused). The gathering kernel counts
+# (T, d, h, E, K, ids_mode, layout, bias, dtype, window_slots, down launches, (dW launches, of which TMA stores) per
+# forward + backward, gathering launches (up, dh)): down counts Y and dX per window; dX takes the Triton kernel when
+# h % 64 != 0 (its weights have n contiguous) and the list layout (no [E, r, c] tensor) never takes it. dW counts
+# dW_down, dW_gate and dW_up per window (dW_gate and dW_up as one launch for hf_fused, whose up rows follow gate's),
+# every one on the Gluon kernel here; its tiles leave through TMA stores where the output is one [E, r, c] tensor
+# and the matrices' rows (d, or h for a transposed table: dW_gate, dW_up of dense, dW_down of transposed) are a
+# whole number of tiles (128; 256), else through pointer stores. The gathering kernel counts
 # the up projection per window (not with biases) and dh's GEMM per window; "recompute" launches the up kernel again
 # in the backward, then the fused dh, where both may take the window (h % 16 == 0), and otherwise runs the up GEMM
 # inside the Triton dh kernel; h = 200 and 192 leave ragged column tiles.
 GPU_CASES = [
-    (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, 0, (1, 1)),
-    (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, 2, (0, 1)),
-    (700, 512, 256, 4, 2, "one_expert", "hf_fused", False, torch.float16, 0, 2, 2, (1, 1)),
-    (900, 256, 256, 8, 2, "random", "hf_fused", False, torch.bfloat16, 500, 8, 8, (4, 4)),
-    (600, 192, 256, 8, 2, "random", "list", True, torch.bfloat16, 0, 0, 0, (0, 0)),
-    (1, 256, 256, 3, 2, "random", "dense", False, torch.bfloat16, 0, 2, 3, (1, 1)),
-    (500, 256, 256, 6, 3, "random", "hf_fused", False, torch.bfloat16, 0, 2, 2, (1, 1)),  # K = 3: not a power of 2
-    (400, 256, 192, 4, 2, "random", "dense", False, torch.bfloat16, 0, 2, 0, (1, 1)),
+    (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, (3, 0), (1, 1)),
+    (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, (2, 2), (0, 1)),
+    (700, 512, 256, 4, 2, "one_expert", "hf_fused", False, torch.float16, 0, 2, (2, 2), (1, 1)),
+    (900, 256, 256, 8, 2, "random", "hf_fused", False, torch.bfloat16, 500, 8, (8, 8), (4, 4)),
+    (600, 192, 256, 8, 2, "random", "list", True, torch.bfloat16, 0, 0, (3, 0), (0, 0)),
+    (1, 256, 256, 3, 2, "random", "dense", False, torch.bfloat16, 0, 2, (3, 3), (1, 1)),
+    (500, 256, 256, 6, 3, "random", "hf_fused", False, torch.bfloat16, 0, 2, (2, 2), (1, 1)),  # K = 3: not a power of 2
+    (400, 256, 192, 4, 2, "random", "dense", False, torch.bfloat16, 0, 2, (3, 1), (1, 1)),
     # W_gate, W_up with n contiguous (the up kernel's halves side by side along a buffer's columns), W_down with k
-    # contiguous; dX's two tables with k contiguous and dW's h % 256 != 0 take the Triton kernels
-    (640, 256, 384, 4, 2, "random", "transposed", False, torch.bfloat16, 0, 1, 0, (1, 1)),
+    # contiguous; dX's two tables with k contiguous take the Triton kernel
+    (640, 256, 384, 4, 2, "random", "transposed", False, torch.bfloat16, 0, 1, (3, 2), (1, 1)),
 ]
 
 
@@ -286,8 +288,8 @@ def test_gluon_kernels_match_triton_bitwise_cuda(monkeypatch, T, d, h, E, K, ids
     # "recompute" on the Gluon kernels: the up kernel into dA|dB's buffer, then the fused dh over it in place
     recomputed = policy == "recompute" and gather[0] > 0 and gather[1] > 0 and h % 16 == 0
     gathers = gather[0] + (gather[1] if policy == "activations" else 0) + (gather[0] + gather[1] if recomputed else 0)
-    assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw, gathers)
-    assert sm90_dw.store_launches() - stores == dw  # every dW output here is one [E, r, c] tensor: TMA stores
+    assert tuple(a - b for a, b in zip(_launches(), before)) == (down, dw[0], gathers)
+    assert sm90_dw.store_launches() - stores == dw[1]
     # dh's GEMM and its epilogue in one launch wherever the GEMM took the Gluon kernel (SwiGLU, A|B kept, h % 16 == 0)
     fused = (policy == "activations" and h % 16 == 0) or recomputed
     assert sm90_gather.act_launches() - acts == (gather[1] if fused else 0)

@@ -109,7 +109,8 @@ if GLUON:
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             e, pid_m, pid_n, seg_lo, seg_hi, n_k, write, add = _tile(t, num_m, num_n, offsets_ptr, slot0, slot1,
                                                                      own_end, ACCUMULATE, GROUP_M)
-            cols = a_ptr + (pid_m * BM + cs)[None, :]  # m_dim % BM == 0 (usable)
+            cols = a_ptr + (pid_m * BM + cs)[None, :]
+            in_m = (pid_m * BM + cs < m_dim)[None, :]  # a's columns past m_dim: zeros (and no read past a's end)
             last = gl.maximum(seg_hi - 1, 0)
             nxt = gl.load(token_index_ptr + gl.minimum(seg_lo + ks, last)) // K
             for k in range(n_k):
@@ -121,9 +122,10 @@ if GLUON:
                 mbarrier.wait(empty_a.index(sa), ((g // SA) & 1) ^ 1)  # the MMA that read the stage is done
                 if seg_lo + (k + 1) * BK <= seg_hi:
                     cp.async_copy_global_to_shared(a_bufs.index(sa), cols + rows.to(gl.int64)[:, None] * stride_a,
-                                                   mask=(slots < seg_hi)[:, None])
+                                                   mask=(slots < seg_hi)[:, None] & in_m)
                     cp.mbarrier_arrive(ready_a.index(sa), increment_count=False)
                     mbarrier.wait(empty_b.index(sb), ((g // SB) & 1) ^ 1)
+                    # (b's columns past n_dim: zeros, the descriptor's bounds)
                     mbarrier.expect(ready_b.index(sb), b_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(b_desc, [seg_lo - slot0 + k * BK, pid_n * BN], ready_b.index(sb),
                                                     b_bufs.index(sb))
@@ -135,9 +137,9 @@ if GLUON:
                     cb = pid_n * BN + csb
                     cp.async_copy_global_to_shared(
                         b_bufs.index(sb), b_ptr + (rb - slot0).to(gl.int64)[:, None] * stride_b + cb[None, :],
-                        mask=(rb < seg_hi)[:, None])  # n_dim % BN == 0 (usable)
+                        mask=(rb < seg_hi)[:, None] & (cb < n_dim)[None, :])
                     cp.async_copy_global_to_shared(a_bufs.index(sa), cols + rows.to(gl.int64)[:, None] * stride_a,
-                                                   mask=(slots < seg_hi)[:, None])
+                                                   mask=(slots < seg_hi)[:, None] & in_m)
                     cp.mbarrier_arrive(ready_a.index(sa), increment_count=False)
                 g += 1
 
@@ -266,8 +268,8 @@ def store_launches() -> int:
 def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
     """Whether this kernel may take a dW launch: Gluon present and switched on, an sm_90 device, 16-bit operands and
     output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
-    (``out``, a :class:`~.tables.WeightTable`) of [rows, cols] multiples of the tile's [128, 256] (the copies never
-    cross a row's end), with one unit stride, the other a multiple of 16 bytes, and 16-byte aligned matrices."""
+    (``out``, a :class:`~.tables.WeightTable`) with one unit stride, the other a multiple of 16 bytes, and 16-byte
+    aligned matrices. Tiles past the matrix's rows or columns read zeros and store only what is inside it."""
     if not (GLUON and common.enabled() and tokens.is_cuda and common.is_sm90(tokens.device)):
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
@@ -278,12 +280,10 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
 
 
 def table_ok(out) -> bool:
-    """:func:`usable`'s conditions on the output table: [rows, cols] multiples of the tile's [128, 256], one unit
-    stride, the other a multiple of 16 bytes, and every element's offset inside an expert's matrix below 2**31 (the
-    kernel computes them in 32 bits: a table over a ``[d, E * 2h]`` weight, viewed ``[E, 2h, d]``, has a row stride
-    of E * 2h and can pass it; the Triton kernel, in 64 bits, takes those)."""
-    if out.rows % TILE[0] or out.cols % TILE[1]:
-        return False
+    """:func:`usable`'s conditions on the output table: one unit stride, the other a multiple of 16 bytes, and every
+    element's offset inside an expert's matrix below 2**31 (the kernel computes them in 32 bits: a table over a
+    ``[d, E * 2h]`` weight, viewed ``[E, 2h, d]``, has a row stride of E * 2h and can pass it; the Triton kernel, in
+    64 bits, takes those)."""
     if (out.rows - 1) * abs(out.stride_r) + (out.cols - 1) * abs(out.stride_c) >= 2 ** 31:
         return False
     item = out.dtype.itemsize
@@ -294,10 +294,12 @@ def table_ok(out) -> bool:
 def _store_desc(out):
     """(descriptor, e_rows) through which the kernel stores dW tiles with TMA, or None: the output table must address
     one ``[E, m, n]`` tensor (``out.dense``) whose experts are row blocks of one 2-D view, rows along m (n contiguous)
-    or, for a transposed table (``O_COL``), along n (m contiguous). Alignment is :func:`usable`'s."""
-    if out.dense is None:
-        return None
+    or, for a transposed table (``O_COL``), along n (m contiguous), a whole number of tiles along them (a store
+    clips at the view's columns, which are the matrix's, but a tile past an expert's last row would land in the next
+    expert's). Alignment is :func:`usable`'s."""
     col = out.stride_c != 1
+    if out.dense is None or (out.cols % TILE[1] if col else out.rows % TILE[0]):
+        return None
     rv = common.rows_view(out.dense.transpose(1, 2) if col else out.dense)
     if rv is None:
         return None
