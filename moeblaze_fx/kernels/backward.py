@@ -48,8 +48,8 @@ adding onto those that started earlier; dx and the bias gradients add up across 
 
 On sm_90 (the call's plan decides, :func:`.plan.backward_plan`, once per call and per window where the window's
 buffers matter) the dW launches with 16-bit operands and output go to the Gluon kernel of :mod:`.sm90.dw` when the
-rows allow (16-byte aligned, unit column strides; tiles past d or h read zeros and store nothing); its results are
-bitwise the Triton kernel's.
+rows allow (16-byte aligned, unit column strides, d and h multiples of 16; tiles past d or h read zeros and store
+nothing); its results are bitwise the Triton kernel's.
 Likewise dh's GEMM (the split's first launch) goes to the gathering kernel of :mod:`.sm90.gather` when d % 64 == 0
 and W_down is row blocks of one tensor; for a gated activation of ``sm90.gather.ACTIVATIONS`` with h % 16 == 0 both
 launches are one there, dH' never stored (elsewhere the epilogue stays a Triton launch). The kernel option
@@ -253,10 +253,11 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
             elif not bp.pairs and grads_gate_up is not None:
                 _weight_grad(bp, x, dpre, tdw.transposed(grads_gate_up), plan, K, accumulate, dw_window)
             else:
-                d_a, d_b = bp.halves(dpre, h)
-                _weight_grad(bp, x, d_a, tdw.transposed(grads.gate), plan, K, accumulate, dw_window)
+                halves = bp.halves(dpre, h)  # (views of dA|dB: gone with it, below)
+                _weight_grad(bp, x, halves[0], tdw.transposed(grads.gate), plan, K, accumulate, dw_window)
                 if act.gated:
-                    _weight_grad(bp, x, d_b, tdw.transposed(grads.up), plan, K, accumulate, dw_window)
+                    _weight_grad(bp, x, halves[1], tdw.transposed(grads.up), plan, K, accumulate, dw_window)
+                del halves
         if bp.pairs and (gate_bias is not None or up_bias is not None):  # one pass over dA|dB's contiguous rows
             both = tdw.bias_grad(dpre, False, None, plan, K, E, window=(s0, s1))
             d_ab = both[:, 0::2], both[:, 1::2]

@@ -268,8 +268,9 @@ def store_launches() -> int:
 def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
     """Whether this kernel may take a dW launch: Gluon present and switched on, an sm_90 device, 16-bit operands and
     output of one dtype, 16-byte aligned rows with unit column strides in both operands, and an output table
-    (``out``, a :class:`~.tables.WeightTable`) with one unit stride, the other a multiple of 16 bytes, and 16-byte
-    aligned matrices. Tiles past the matrix's rows or columns read zeros and store only what is inside it."""
+    (``out``, a :class:`~.tables.WeightTable`) of [rows, cols] multiples of 16, with one unit stride, the other a
+    multiple of 16 bytes, and 16-byte aligned matrices. Tiles past the matrix's rows or columns read zeros and store
+    only what is inside it."""
     if not (GLUON and common.enabled() and tokens.is_cuda and common.is_sm90(tokens.device)):
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
@@ -280,10 +281,13 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
 
 
 def table_ok(out) -> bool:
-    """:func:`usable`'s conditions on the output table: one unit stride, the other a multiple of 16 bytes, and every
-    element's offset inside an expert's matrix below 2**31 (the kernel computes them in 32 bits: a table over a
-    ``[d, E * 2h]`` weight, viewed ``[E, 2h, d]``, has a row stride of E * 2h and can pass it; the Triton kernel, in
-    64 bits, takes those)."""
+    """:func:`usable`'s conditions on the output table: [rows, cols] multiples of 16 (the compiler then knows that
+    the masks of the copies past them are whole 16-byte vectors: at d = 200 the 2-byte copies they would need failed
+    Triton 3.6's lowering, H100), one unit stride, the other a multiple of 16 bytes, and every element's offset inside
+    an expert's matrix below 2**31 (the kernel computes them in 32 bits: a table over a ``[d, E * 2h]`` weight, viewed
+    ``[E, 2h, d]``, has a row stride of E * 2h and can pass it; the Triton kernel, in 64 bits, takes those)."""
+    if out.rows % 16 or out.cols % 16:
+        return False
     if (out.rows - 1) * abs(out.stride_r) + (out.cols - 1) * abs(out.stride_c) >= 2 ** 31:
         return False
     item = out.dtype.itemsize
