@@ -258,16 +258,17 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                 if act.gated:
                     _weight_grad(bp, x, halves[1], tdw.transposed(grads.up), plan, K, accumulate, dw_window)
                 del halves
-        if bp.pairs and (gate_bias is not None or up_bias is not None):  # one pass over dA|dB's contiguous rows
-            both = tdw.bias_grad(dpre, False, None, plan, K, E, window=(s0, s1))
-            d_ab = both[:, 0::2], both[:, 1::2]
-        else:
-            d_ab = [tdw.bias_grad(part, False, None, plan, K, E, window=(s0, s1)) if bias is not None else None
-                    for part, bias in zip(bp.halves(dpre, h), (gate_bias, up_bias))]
-        if gate_bias is not None:
-            d_gate_bias += d_ab[0]
-        if up_bias is not None:
-            d_up_bias += d_ab[1]
+        if gate_bias is not None or up_bias is not None:
+            if bp.pairs:  # one pass over dA|dB's contiguous rows, then its interleaved halves
+                both = tdw.bias_grad(dpre, False, None, plan, K, E, window=(s0, s1))
+                d_ab = both[:, 0::2], both[:, 1::2]
+            else:
+                d_ab = [tdw.bias_grad(part, False, None, plan, K, E, window=(s0, s1)) if bias is not None else None
+                        for part, bias in zip(bp.halves(dpre, h), (gate_bias, up_bias))]
+            if gate_bias is not None:
+                d_gate_bias += d_ab[0]
+            if up_bias is not None:
+                d_up_bias += d_ab[1]
         del dpre
     if phase == "dx":
         return dx, None, None, None, None
