@@ -196,12 +196,12 @@ def _need_sm90():
 # forward + backward, gathering launches (up, dh)): down counts Y and dX per window; dX takes the Triton kernel when
 # h % 64 != 0 (its weights have n contiguous) and the list layout (no [E, r, c] tensor) never takes it. dW counts
 # dW_down, dW_gate and dW_up per window (dW_gate and dW_up as one launch for hf_fused, whose up rows follow gate's),
-# on the Gluon kernel wherever d and h are multiples of 16 (not h = 200); its tiles leave through TMA stores where the output is one [E, r, c] tensor
-# and the matrices' rows (d, or h for a transposed table: dW_gate, dW_up of dense, dW_down of transposed) are a
-# whole number of tiles (128; 256), else through pointer stores. The gathering kernel counts
-# the up projection per window (not with biases) and dh's GEMM per window; "recompute" launches the up kernel again
-# in the backward, then the fused dh, where both may take the window (h % 16 == 0), and otherwise runs the up GEMM
-# inside the Triton dh kernel; h = 200 and 192 leave ragged column tiles.
+# on the Gluon kernel wherever d and h are multiples of 16 (not h = 200); its tiles leave through TMA stores where
+# the output is one [E, r, c] tensor and the matrices' rows (d, or h for a transposed table: dW_gate, dW_up of
+# dense, dW_down of transposed) are a whole number of tiles (128; 256), else through pointer stores. The gathering
+# kernel counts the up projection per window (not with biases) and dh's GEMM per window; "recompute" launches the up
+# kernel again in the backward, then the fused dh, where both may take the window (h % 16 == 0), and otherwise runs
+# the up GEMM inside the Triton dh kernel; h = 200 and 192 leave ragged column tiles.
 GPU_CASES = [
     (1000, 320, 200, 8, 4, "empty_expert", "dense", False, torch.bfloat16, 0, 1, (0, 0), (1, 1)),
     (513, 256, 512, 6, 2, "sentinel", "hf_fused", True, torch.bfloat16, 0, 2, (2, 2), (0, 1)),

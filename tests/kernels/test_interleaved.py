@@ -2,11 +2,12 @@
 bias ``[E, 2h]`` interleaved the same way, ``down_proj [E, h, d]`` with bias ``[E, d]``, the clamped SwiGLU.
 
 The kernels read and write that storage as one 2h-wide matrix per expert (``tables.interleaved_gate_up``): the up
-kernel's INTERLEAVED path reads it, and with A|B and dA|dB interleaved alike (``triton.common.preact_strides``) dX is
-one down launch over 2h against the [2h, d] matrices (``tables.interleaved_table``) and dW_gate|up one plain dW
-launch into the [d, 2h] gradient. CPU: the Triton interpreter (tests/conftest.py) in float32 and float16 (its bf16
-dot is wrong), forward and every gradient against ``moe_ffn_reference`` differentiated by autograd in float64. GPU
-(``cuda`` marker): bf16, the same checks, on the default backends (Gluon where it applies)."""
+kernel's INTERLEAVED path reads it, and with A|B and dA|dB interleaved alike (the up and dh kernels' epilogues split
+and join adjacent columns) dX is one down launch over 2h against the [2h, d] matrices (``tables.interleaved_table``)
+and dW_gate|up one plain dW launch into the [d, 2h] gradient. CPU: the Triton interpreter (tests/conftest.py) in
+float32 and float16 (its bf16 dot is wrong), forward and every gradient against ``moe_ffn_reference`` differentiated
+by autograd in float64. GPU (``cuda`` marker): bf16, the same checks, on the default backends (Gluon where it
+applies)."""
 from __future__ import annotations
 
 import pytest
