@@ -232,7 +232,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     sm90_gather.dh_sm90(grad_y, bp.dh_sm90, plan, K, d, h, win, hw)
                 else:
                     tdh.dh_launch(kind, dh_phase, grad_y, x, w, gate_bias, up_bias, weights, pre, dpre, hw,
-                                  part[bias_rows:], plan, win, d, h, K, act, chunk, bp.dh_recomputes)
+                                  part[bias_rows:], plan, win, d, h, K, act, chunk, bp.dh_recomputes,
+                                  bp.pairs)
             del pre  # may alias dpre: it must not outlive the window
         if act_phase:
             if not skip:

@@ -23,7 +23,7 @@ from ..act import ACT_CODES, act_backward
 from ..autotune import plan_block_m
 from ..launch import sized
 from ..reference import Activation, DispatchPlan
-from ..tables import ExpertTables, interleaved_gate_up
+from ..tables import ExpertTables
 from .common import SlotWindow, dot_precision, grouped_tile_ids, table_align, table_ptr, window_tile
 
 __all__ = ["MAX_BLOCK_N", "DH_SPLIT", "dh_launch"]
@@ -51,7 +51,8 @@ def _dh_epilogue(
     are a scalar 64-bit base per tile plus int32 offsets inside it: per-element 64-bit pointers cost two
     registers each and made this epilogue spill. PAIRS: A|B and dA|dB interleaved column by column (A's column j at
     2j, B's at 2j + 1), read and written as one contiguous [BLOCK_M, 2 * BLOCK_N] tile split into (joined from) A
-    and B in registers: two loads of every other element made the split dh's epilogue 2.5x slower (H100)."""
+    and B in registers: loads and stores of every other element made the split dh's epilogue 5x slower (1.73 against
+    0.33 ms at gpt-oss's shape, H100)."""
     io_ty = dpre_ptr.dtype.element_ty
     BLOCK_M: tl.constexpr = wt.shape[0]
     local = tl.arange(0, BLOCK_M)
@@ -319,10 +320,11 @@ DH_SPLIT = True
 def dh_launch(kind: str, phase: int, grad_y: Tensor, x: Tensor, w: ExpertTables, gate_bias: Tensor | None,
               up_bias: Tensor | None, weights: Tensor, pre: Tensor, dpre: Tensor, hw: Tensor, part: Tensor,
               plan: DispatchPlan, win: SlotWindow, d: int, h: int, K: int, act: Activation, chunk: int,
-              recompute: bool) -> None:
+              recompute: bool, pairs: bool) -> None:
     """One launch of the dh kernel over the window ``win``: ``kind`` names its autotuner, ``phase`` its PHASE (0 both,
     1 the GEMM, 2 the epilogue); ``recompute``: A|B recomputed inside the kernel (``pre`` then a placeholder, never
-    read), else read from ``pre``; ``part``: the <dH', H> partials' rows, by slot; ``chunk``: their column width."""
+    read), else read from ``pre``; ``part``: the <dH', H> partials' rows, by slot; ``chunk``: their column width;
+    ``pairs``: A|B and dA|dB interleaved column by column (the plan's, ``BackwardPlan.pairs``)."""
     up = w.up if w.up is not None else w.gate  # placeholder table when not gated, never read
 
     def grid(meta, num_tiles=win.num_tiles):
@@ -347,5 +349,5 @@ def dh_launch(kind: str, phase: int, grad_y: Tensor, x: Tensor, w: ExpertTables,
         HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
         W_ALIGN=table_align(w.down, w.gate, w.up) if recompute else table_align(w.down),
         RECOMPUTE=recompute, DOT_PRECISION=dot_precision(x.dtype), CHUNK_N=chunk, BLOCK_M=plan_block_m(),
-        PHASE=phase, PAIRS=interleaved_gate_up(w.gate, w.up),  # A|B, dA|dB interleaved as the weights
+        PHASE=phase, PAIRS=pairs,
     )
