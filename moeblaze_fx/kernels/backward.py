@@ -227,7 +227,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
                     tup.up_project(x, w, gate_bias, up_bias, hw, dpre, plan, win, d, h, K, act, True, *bp.up_mode)
                 elif unit == "sm90.dh_act":
                     sm90_gather.dh_act_sm90(grad_y, bp.dh_sm90, plan, K, d, h, win, hw, pre, dpre, part[bias_rows:],
-                                            weights, act)
+                                            weights, act, bp.pairs)
                 elif unit == "sm90.dh":
                     sm90_gather.dh_sm90(grad_y, bp.dh_sm90, plan, K, d, h, win, hw)
                 else:

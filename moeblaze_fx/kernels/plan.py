@@ -196,8 +196,9 @@ class BackwardPlan(NamedTuple):
         ``dpre``, H into ``hw``), ``"triton.up"`` (likewise, through the Triton up kernel), ``"sm90.dh"`` (dh's GEMM,
         dH' into ``hw``), ``"sm90.dh_act"`` (dh's GEMM and its epilogue in one launch, over ``pre``), and
         ``"triton.dh"`` with the dh kernel's ``kind`` and PHASE (:func:`.triton.dh.dh_launch`). The window's buffers
-        decide with the plan: the Gluon kernels need their rows 16-byte aligned, and the fused one A|B's halves
-        (not ``pairs``)."""
+        decide with the plan: the Gluon kernels need their rows 16-byte aligned (the fused one reads A|B by halves
+        or, with ``pairs``, interleaved; under "recompute" with ``pairs`` the Triton up kernel recomputes A|B, then dh
+        runs as under "activations")."""
         bm = plan_block_m()
         if self.up_sm90 is not None and (sm90_gather.up_usable(x, hw, dpre, act.name, self.biased, bm) and
                                          sm90_gather.dh_act_usable(grad_y, hw, dpre, dpre, weights, act.name, chunk,
@@ -217,8 +218,7 @@ class BackwardPlan(NamedTuple):
             phases = [("dh", 0)]
         for kind, phase in phases:
             if phase == 1 and self.dh_sm90 is not None and sm90_gather.dh_usable(grad_y, hw, plan_block_m()):
-                if not self.pairs and sm90_gather.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk,
-                                                                plan_block_m()):
+                if sm90_gather.dh_act_usable(grad_y, hw, pre, dpre, weights, act.name, chunk, plan_block_m()):
                     launches.append(("sm90.dh_act", None, 0))  # both phases in one launch: the same dA|dB and w*H
                     break
                 launches.append(("sm90.dh", None, 0))  # the same dH', bitwise

@@ -17,8 +17,11 @@ from moeblaze_fx.kernels import autotune
 from moeblaze_fx.kernels.backward import expert_backward
 from moeblaze_fx.kernels.autotune import plan_block_m
 from moeblaze_fx.kernels.forward import expert_forward
+from moeblaze_fx.kernels import plan as kplan
+from moeblaze_fx.kernels.sm90 import common as sm90_common
 from moeblaze_fx.kernels.sm90 import down as sm90_down
 from moeblaze_fx.kernels.sm90 import dw as sm90_dw
+from moeblaze_fx.kernels.sm90 import gather as sm90_gather
 from moeblaze_fx.kernels.triton import common as tcommon
 from moeblaze_fx.kernels.triton import dh as tdh
 from moeblaze_fx.kernels.triton import dw as tdw
@@ -206,6 +209,22 @@ def test_interleaved_recompute_inside_dh_when_not_split(monkeypatch):
     assert kinds.count("dh_recompute") == kinds.count("up") == 4
 
 
+def test_interleaved_plan_fuses_dh_where_the_gluon_kernel_may(monkeypatch):
+    # The fused Gluon dh (its GEMM and the activation's epilogue in one launch) takes interleaved A|B too, under
+    # "activations" over the saved A|B and under "recompute" over the A|B the Triton up kernel computed again into
+    # the dA|dB buffer. The plan's choice alone: the kernels' views and the window's buffers stand in.
+    t, view = torch.empty(8, 8), object()
+    act = parse_activation(GPT_OSS)
+    for name in ("dh_usable", "dh_act_usable"):
+        monkeypatch.setattr(sm90_gather, name, lambda *args: True)
+    saved = kplan.BackwardPlan([], None, view, None, None, recompute=False, split=True, biased=True, pairs=True)
+    assert saved.dh_launches(t, t, t, t, t, t, act, 64) == [("sm90.dh_act", None, 0)]
+    again = saved._replace(recompute=True, up_mode=(16, 1))
+    assert again.dh_launches(t, t, t, t, t, t, act, 64) == [("triton.up", None, 0), ("sm90.dh_act", None, 0)]
+    monkeypatch.setattr(sm90_gather, "dh_act_usable", lambda *args: False)  # e.g. h % 16 != 0: two launches
+    assert saved.dh_launches(t, t, t, t, t, t, act, 64) == [("sm90.dh", None, 0), ("triton.dh", "dh_act", 2)]
+
+
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
 def test_interleaved_float16(policy):
     case = make_case(37, 40, 24, 5, 2, ids_mode="empty_expert", dtype=torch.float16, seed=3)
@@ -376,14 +395,16 @@ CUDA_CASES = [
 ]
 
 
+def _cuda_case_id(c) -> str:
+    return f"T{c[0]}-d{c[1]}-h{c[2]}-K{c[4]}-w{c[6]}-{'bias' if c[7] else 'nobias'}"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
-@pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots,bias", CUDA_CASES,
-                         ids=[f"T{c[0]}-d{c[1]}-h{c[2]}-K{c[4]}-w{c[6]}-{'bias' if c[7] else 'nobias'}"
-                              for c in CUDA_CASES])
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots,bias", CUDA_CASES, ids=map(_cuda_case_id, CUDA_CASES))
 def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots, bias, policy):
     seen = _interleaved_flags(monkeypatch)
-    gluon0 = (sm90_down.launches(), sm90_dw.launches())
+    gluon0 = (sm90_down.launches(), sm90_dw.launches(), sm90_gather.act_launches())
     case = make_case(T, d, h, E, K, act=GPT_OSS, bias=bias, dtype=torch.bfloat16, device="cuda", ids_mode=ids_mode,
                      seed=T + h)
     y, got = run_kernels(case, policy, window_slots)
@@ -403,6 +424,10 @@ def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slot
     kinds = [s[0] for s in seen]
     assert kinds.count("down") + sm90_down.launches() - gluon0[0] == 2 * 2 * windows
     assert kinds.count("dw") + sm90_dw.launches() - gluon0[1] == 2 * 2 * windows
+    # dh's GEMM and its epilogue in one Gluon launch a window (d % 64 == 0, h % 16 == 0 on sm_90), else two launches
+    fused = sm90_common.GLUON and torch.cuda.get_device_capability() == (9, 0) and d % 64 == 0 and h % 16 == 0
+    assert sm90_gather.act_launches() - gluon0[2] == (2 * windows if fused else 0)
+    assert kinds.count("dh_act") == (0 if fused else 2 * windows)
 
 
 @pytest.mark.cuda
@@ -433,3 +458,41 @@ def test_operator_over_gpt_oss_storage_bf16_cuda(checkpoint):
             assert rel_err(a, b) <= 1e-2, f"gradient {i}"
     scale = dweights_scale(case).norm()
     assert float((got[1].double() - want[1].double()).norm() / scale) <= 1e-2
+
+
+def _gluon(monkeypatch, on: bool) -> None:
+    """The Gluon kernels on or off (the kernel option ``gluon``) until the test ends."""
+    import dataclasses
+
+    from moeblaze_fx import config
+    from moeblaze_fx.config import KernelOptions
+    monkeypatch.setattr(config, "_current", dataclasses.replace(config.current(), kernels=KernelOptions(gluon=on)))
+
+
+GLUON_CASES = [c for c in CUDA_CASES if c[1] % 64 == 0 and c[2] % 16 == 0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["activations", "recompute"])
+@pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots,bias", GLUON_CASES, ids=map(_cuda_case_id, GLUON_CASES))
+def test_interleaved_fused_dh_matches_triton_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots, bias, policy):
+    """The fused Gluon dh over interleaved A|B (each block's 32 + 32 column pairs split in registers, dA|dB joined back
+    into pairs) and the other Gluon units against the Triton kernels alone: the forward, dx and every weight gradient
+    bitwise; the routing weights' gradient within 1e-2 (the fused kernel sums <dH', H> over 32 columns, then adds the
+    two halves)."""
+    if not (sm90_common.GLUON and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon kernels run on sm_90 with a Triton that has Gluon")
+    case = make_case(T, d, h, E, K, act=GPT_OSS, bias=bias, dtype=torch.bfloat16, device="cuda", ids_mode=ids_mode,
+                     seed=T + h + 1)
+    windows = tcommon.num_slot_windows(T * K, window_slots)
+    _gluon(monkeypatch, True)
+    fused = sm90_gather.act_launches()
+    y1, got1 = run_kernels(case, policy, window_slots)
+    assert sm90_gather.act_launches() - fused == windows
+    _gluon(monkeypatch, False)
+    y2, got2 = run_kernels(case, policy, window_slots)
+    assert sm90_gather.act_launches() - fused == windows
+    assert torch.equal(y1, y2), "forward differs from the Triton kernels'"
+    differ = [k for k in got1 if k != "weights" and not torch.equal(got1[k], got2[k])]
+    assert not differ, f"gradients differing from the Triton kernels': {differ}"
+    torch.testing.assert_close(got1["weights"], got2["weights"], rtol=1e-2, atol=1e-5)

@@ -16,13 +16,16 @@ tiles (the plan's 128-slot tiles):
   steps) after each step's MMA wait, so the tensor cores keep working; the last tile's blocks run after the loop.
   Each block's A|B is copied into shared memory with cp.async a block ahead (the launch has one gathered-row stage
   less for it). dH' never goes to memory. H100, fused / two launches, ms (docs/dh.md): C 0.91
-  / 1.09, D 1.15 / 1.42, A 9.3 / 11.1.
+  / 1.09, D 1.15 / 1.42, A 9.3 / 11.1. With A|B and dA|dB interleaved column by column (PAIRS, gpt-oss's layout) a
+  block's 128 interleaved columns are staged as two halves of 32 pairs; each half's pairs and dH' columns are split
+  in registers (layouts that keep a pair, and dH's two halves, in one thread: no data moves) and dA|dB is joined
+  back into pairs: at gpt-oss's shape 0.69 ms against 0.56 + 0.32 for the two launches (H100, 2026-11-28).
 
 Each output element sums the same products in the same order as the Triton kernels (one fp32 accumulator, 64-wide
 contraction steps, the activation functions of :mod:`.act` themselves), so the results are bitwise equal; the cuda
-tests compare them. One exception: the fused dh sums each row's 64 products of <dH', H> in its own layout's order,
-which can round differently from the Triton epilogue's where h % 64 != 0 (that kernel then loads through wrapped
-columns, and Triton lays its tile out otherwise).
+tests compare them. One exception: the fused dh sums each row's 64 products of <dH', H> in its own layout's order
+(PAIRS: over each half of 32, then the two halves), which can round differently from the Triton epilogue's where
+h % 64 != 0 (that kernel then loads through wrapped columns, and Triton lays its tile out otherwise) and with PAIRS.
 
 One program per SM walks the output tiles in the Triton kernels' grouped order (``common.tile``):
 
@@ -186,52 +189,104 @@ if GLUON:
 
     @gluon.jit
     def _dh_act_stage(ab_smem, p, epi, s, start, first, end, n0, slot0, n_dim, NR: gl.constexpr, RB: gl.constexpr,
-                      st: gl.constexpr):
+                      st: gl.constexpr, PAIRS: gl.constexpr):
         """Copies A and B (the saved pre-activations) of block ``s`` of the tile starting at slot ``start`` into
         buffers 2p and 2p + 1 of ``ab_smem`` ([4, RB, 64]) with cp.async, one commit group; rows clamped into
-        [first, end), 0 past ``n_dim``. In shared memory, nothing waits for the copy until the block's turn (loaded
-        into registers, the values were repacked into the loop's registers at once, which waited for them)."""
+        [first, end), 0 past ``n_dim``. PAIRS (A|B interleaved column by column): the block's 64 columns are 128
+        interleaved ones, their first 64 (32 pairs) into 2p, the next 64 into 2p + 1. In shared memory, nothing waits
+        for the copy until the block's turn (loaded into registers, the values were repacked into the loop's registers
+        at once, which waited for them)."""
         rows, cols = _block_at(s, start, n0, NR, RB, st)
         rows = gl.minimum(gl.maximum(rows, first), end - 1)
-        ld_mask = (rows >= 0)[:, None] & (cols < n_dim)[None, :]
-        pre = epi[0] + (rows - slot0).to(gl.int64)[:, None] * epi[5] + cols[None, :]
-        cp.async_copy_global_to_shared(ab_smem.index(2 * p), pre, mask=ld_mask)
-        cp.async_copy_global_to_shared(ab_smem.index(2 * p + 1), pre + n_dim, mask=ld_mask)
+        if PAIRS:
+            cols = 2 * (n0 + (s // NR) * 64) + gl.arange(0, 64, layout=gl.SliceLayout(0, st))
+            pre = epi[0] + (rows - slot0).to(gl.int64)[:, None] * epi[5] + cols[None, :]
+            cp.async_copy_global_to_shared(ab_smem.index(2 * p), pre,
+                                           mask=(rows >= 0)[:, None] & (cols < 2 * n_dim)[None, :])
+            cp.async_copy_global_to_shared(ab_smem.index(2 * p + 1), pre + 64,
+                                           mask=(rows >= 0)[:, None] & (cols + 64 < 2 * n_dim)[None, :])
+        else:
+            ld_mask = (rows >= 0)[:, None] & (cols < n_dim)[None, :]
+            pre = epi[0] + (rows - slot0).to(gl.int64)[:, None] * epi[5] + cols[None, :]
+            cp.async_copy_global_to_shared(ab_smem.index(2 * p), pre, mask=ld_mask)
+            cp.async_copy_global_to_shared(ab_smem.index(2 * p + 1), pre + n_dim, mask=ld_mask)
         cp.commit_group()
 
     @gluon.jit
+    def _dh_act_half(dh, ab, wt, rows, col0, row_ok, epi, hw_ptr, stride_hw, slot0, n_dim, q: gl.constexpr,
+                     PL: gl.constexpr, AL: gl.constexpr, ACT: gl.constexpr):
+        """PAIRS: the activation's backward on 32 of a block's columns (its half ``q``): ``dh`` their dH' and ``ab``
+        their 32 (A, B) pairs ([RB, 64] in ``AL``), both split in registers into ``PL``; dA|dB joined back into pairs
+        and stored, w*H stored; returns <dH', H> over the 32 columns by row (columns past ``n_dim`` count 0)."""
+        RB: gl.constexpr = ab.shape[0]
+        dtype: gl.constexpr = ab.dtype
+        a, b = gl.split(gl.reshape(ab.to(gl.float32), [RB, 32, 2]))
+        a = gl.convert_layout(a, PL)
+        b = gl.convert_layout(b, PL)
+        hcols = col0 + q * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, PL))  # H's columns
+        col_ok = hcols < n_dim
+        hid, d_a, d_b = act_math.act_backward(a, b, dh * wt[:, None], epi[10], epi[11], ACT)
+        mask = row_ok[:, None] & col_ok[None, :]
+        local = (rows - slot0).to(gl.int64)[:, None]
+        gl.store(hw_ptr + local * stride_hw + hcols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
+        d_ab = gl.convert_layout(gl.reshape(gl.join(d_a.to(dtype), d_b.to(dtype)), [RB, 64]), AL)
+        acols = 2 * (col0 + q * 32) + gl.arange(0, 64, layout=gl.SliceLayout(0, AL))  # dA|dB's interleaved columns
+        arows = gl.convert_layout(rows, gl.SliceLayout(1, AL))
+        amask = gl.convert_layout(row_ok, gl.SliceLayout(1, AL))[:, None] & (acols < 2 * n_dim)[None, :]
+        gl.store(epi[1] + (arows - slot0).to(gl.int64)[:, None] * epi[6] + acols[None, :], d_ab, mask=amask)
+        return gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
+
+    @gluon.jit
     def _dh_act_block(blocks, w_blocks, epi, hw_ptr, stride_hw, s, start, first, end, n0, slot0, n_dim, ab_smem, p,
-                      NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
+                      NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr, PAIRS: gl.constexpr):
         """The activation's backward on block ``s`` of the tile's rounded dH' (``blocks.index(s)``, [RB, 64]), as
         ``triton.dh._dh_epilogue`` computes it: dA|dB and w*H stored through pointers (rows in [first, end), columns
         below ``n_dim``), <dH', H> over the 64 columns into that chunk's row of the partials, by slot. ``ab_smem``
         buffers 2p, 2p + 1: the block's A and B, staged by :func:`_dh_act_stage` (zeros past ``n_dim``, whose columns
-        are masked anyway); ``w_blocks``: the tile's routing weights (fp32) by row block."""
+        are masked anyway); ``w_blocks``: the tile's routing weights (fp32) by row block. PAIRS: A|B and dA|dB
+        interleaved (see :func:`_dh_act_stage`), each half of the block's columns in :func:`_dh_act_half`."""
         dpre_ptr, part_ptr, stride_dpre, stride_part = epi[1], epi[2], epi[6], epi[7]
         dtype: gl.constexpr = blocks.dtype
-        rows, cols = _block_at(s, start, n0, NR, RB, st)
         col0 = n0 + (s // NR) * 64  # the block's first column: its chunk of the partials
-        row_ok = (rows >= first) & (rows < end)
-        col_ok = cols < n_dim
-        wt = w_blocks.index(s % NR).load(gl.SliceLayout(1, st))
-        dh = blocks.index(s).load(st).to(gl.float32)
-        a = ab_smem.index(2 * p).load(st).to(gl.float32)
-        b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
-        d_hid = dh * wt[:, None]
-        hid, d_a, d_b = act_math.act_backward(a, b, d_hid, epi[10], epi[11], ACT)
-        part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
-        mask = row_ok[:, None] & col_ok[None, :]
-        local = (rows - slot0).to(gl.int64)[:, None]
-        dpre = dpre_ptr + local * stride_dpre + cols[None, :]
-        gl.store(dpre, d_a.to(dtype), mask=mask)
-        gl.store(dpre + n_dim, d_b.to(dtype), mask=mask)
-        gl.store(hw_ptr + local * stride_hw + cols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
-        gl.store(part_ptr + (col0 // 64).to(gl.int64) * stride_part + rows, part,
-                 mask=row_ok & (col0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
+        if PAIRS:
+            # dH' with each thread's 4 + 4 columns 32 apart: [RB, 2, 32] splits into the two halves in registers;
+            # A|B with each thread's 4 pairs adjacent: [RB, 32, 2] splits into A and B; both then in PL
+            PL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+            AL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+            rows = start + (s % NR) * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, PL))
+            row_ok = (rows >= first) & (rows < end)
+            wt = w_blocks.index(s % NR).load(gl.SliceLayout(1, PL))
+            dh = gl.reshape(blocks.index(s).load(PL).to(gl.float32), [RB, 2, 32])
+            dh0, dh1 = gl.split(gl.permute(dh, (0, 2, 1)))
+            part = _dh_act_half(gl.convert_layout(dh0, PL), ab_smem.index(2 * p).load(AL), wt, rows, col0, row_ok,
+                                epi, hw_ptr, stride_hw, slot0, n_dim, 0, PL, AL, ACT)
+            part += _dh_act_half(gl.convert_layout(dh1, PL), ab_smem.index(2 * p + 1).load(AL), wt, rows, col0,
+                                 row_ok, epi, hw_ptr, stride_hw, slot0, n_dim, 1, PL, AL, ACT)
+            gl.store(part_ptr + (col0 // 64).to(gl.int64) * stride_part + rows, part, mask=row_ok & (col0 < n_dim))
+        else:
+            rows, cols = _block_at(s, start, n0, NR, RB, st)
+            row_ok = (rows >= first) & (rows < end)
+            col_ok = cols < n_dim
+            wt = w_blocks.index(s % NR).load(gl.SliceLayout(1, st))
+            dh = blocks.index(s).load(st).to(gl.float32)
+            a = ab_smem.index(2 * p).load(st).to(gl.float32)
+            b = ab_smem.index(2 * p + 1).load(st).to(gl.float32)
+            d_hid = dh * wt[:, None]
+            hid, d_a, d_b = act_math.act_backward(a, b, d_hid, epi[10], epi[11], ACT)
+            part = gl.sum(gl.where(col_ok[None, :], dh * hid, 0.0), axis=1)
+            mask = row_ok[:, None] & col_ok[None, :]
+            local = (rows - slot0).to(gl.int64)[:, None]
+            dpre = dpre_ptr + local * stride_dpre + cols[None, :]
+            gl.store(dpre, d_a.to(dtype), mask=mask)
+            gl.store(dpre + n_dim, d_b.to(dtype), mask=mask)
+            gl.store(hw_ptr + local * stride_hw + cols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
+            gl.store(part_ptr + (col0 // 64).to(gl.int64) * stride_part + rows, part,
+                     mask=row_ok & (col0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
 
     @gluon.jit
     def _dh_act_run(blocks, w_smem, ab_smem, epi, hw_ptr, stride_hw, done, target, start, first, end, n0, slot0,
-                    n_dim, NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr):
+                    n_dim, NR: gl.constexpr, RB: gl.constexpr, st: gl.constexpr, ACT: gl.constexpr,
+                    PAIRS: gl.constexpr):
         """Runs the pending tile's epilogue blocks from ``done`` up to ``target`` (:func:`_dh_act_block`), each once
         its A|B copy has landed, staging the next block's (none past the last: that copy would land on the buffer
         the next tile's first block uses); returns the blocks done."""
@@ -239,9 +294,10 @@ if GLUON:
         while done < target:
             cp.wait_group(0)  # this block's A|B, copied a block ago
             _dh_act_block(blocks, w_smem, epi, hw_ptr, stride_hw, done, start, first, end, n0, slot0, n_dim, ab_smem,
-                          done % 2, NR, RB, st, ACT)
+                          done % 2, NR, RB, st, ACT, PAIRS)
             if done + 1 < NB:
-                _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, start, first, end, n0, slot0, n_dim, NR, RB, st)
+                _dh_act_stage(ab_smem, (done + 1) % 2, epi, done + 1, start, first, end, n0, slot0, n_dim, NR, RB, st,
+                              PAIRS)
             done += 1
         return done
 
@@ -269,7 +325,7 @@ if GLUON:
                   tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1,
                   k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH: gl.constexpr, SWIGLU: gl.constexpr,
                   SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, SA: gl.constexpr,
-                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, ACT: gl.constexpr):
+                  SB: gl.constexpr, K: gl.constexpr, ACT_EPI: gl.constexpr, ACT: gl.constexpr, PAIRS: gl.constexpr):
         """SWIGLU: A|B into c1 (columns n0 and n_dim + n0) when SAVE_AB, H into c0; else the product into c0, or with
         ACT_EPI (dh) the activation's backward on it.
 
@@ -337,7 +393,7 @@ if GLUON:
                     g += 1
                     if ACT_EPI:  # the pending tile's blocks up to this step's share, beside step k's MMA
                         done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, ((k + 1) * NB) // n_k,
-                                           p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep, ACT)
+                                           p_start, p_first, p_end, p_n0, slot0, n_dim, NR, RB, ep, ACT, PAIRS)
                     if SWIGLU:  # the pending tile's H blocks up to this step's share
                         done = _up_h_run(blocks, c0_ptr, stride_c0, done, ((k + 1) * NP) // n_k, p_start, p_first,
                                          p_end, p_n0, slot0, n_dim, epi[10], epi[11], NR, RB, ep, ACT)
@@ -354,7 +410,7 @@ if GLUON:
                     w_smem.index(3).store(w3)
                     p_start, p_first, p_end, p_n0 = start, first, end, n0
                     done = gl.to_tensor(0)
-                    _dh_act_stage(ab_smem, 0, epi, 0, start, first, end, n0, slot0, n_dim, NR, RB, ep)
+                    _dh_act_stage(ab_smem, 0, epi, 0, start, first, end, n0, slot0, n_dim, NR, RB, ep, PAIRS)
                 else:
                     tma.store_wait(0)  # the previous tile's stores have read c_smem
                     c_smem.store(acc.to(dtype))
@@ -373,7 +429,7 @@ if GLUON:
                     _store(c_smem, c0_desc, c0_ptr, row, n0, start, first, end, slot0, n_dim, stride_c0, full)
         if ACT_EPI:  # the last tile's epilogue
             done = _dh_act_run(blocks, w_smem, ab_smem, epi, c0_ptr, stride_c0, done, NB, p_start, p_first, p_end,
-                               p_n0, slot0, n_dim, NR, RB, ep, ACT)
+                               p_n0, slot0, n_dim, NR, RB, ep, ACT, PAIRS)
             cp.wait_group(0)
         if SWIGLU:  # the last tile's H
             done = _up_h_run(blocks, c0_ptr, stride_c0, done, NP, p_start, p_first, p_end, p_n0, slot0, n_dim,
@@ -396,6 +452,7 @@ if GLUON:
         SWIGLU: gl.constexpr, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
         A_STAGES: gl.constexpr, B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT_EPI: gl.constexpr,
         ACT: gl.constexpr,  # SWIGLU or ACT_EPI: the activation's code (act.ACT_CODES), one of ACTIVATIONS
+        PAIRS: gl.constexpr,  # ACT_EPI: A|B and dA|dB interleaved column by column (gpt-oss's layout)
     ):
         """The body of the three kernels below: grid = (min(SMs, num_m * num_n),), num_warps=8 (consumers) + a 4-warp
         producer."""
@@ -435,7 +492,7 @@ if GLUON:
             (_consumer, (a_bufs, b_bufs, c_smem, ready_a, ready_b, empty_a, empty_b, c0_desc, c1_desc, c0_ptr,
                          c1_ptr, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, n_dim, stride_c0, stride_c1, epi, w_smem, ab_smem, BNH, SWIGLU, SAVE_AB,
-                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, ACT)),
+                         B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, K, ACT_EPI, ACT, PAIRS)),
             (_producer, (a_ptr, b0_desc, b1_desc, token_index_ptr, a_bufs, b_bufs, ready_a, ready_b, empty_a,
                          empty_b, tile0_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total,
                          slot0, slot1, k_dim, K, stride_a, e_rows0, e_rows1, BNH, SWIGLU, B_KMAJOR, GROUP_M, A_STAGES,
@@ -450,12 +507,12 @@ if GLUON:
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
                         GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr, PAIRS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
-                     True, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT)
+                     True, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT, PAIRS)
 
     @sized(gluon.jit)
     def _dh_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -464,12 +521,12 @@ if GLUON:
                         pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t,
                         stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr, B_KMAJOR: gl.constexpr,
                         GROUP_M: gl.constexpr, A_STAGES: gl.constexpr, B_STAGES: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr, PAIRS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
-                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT)
+                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, False, ACT, PAIRS)
 
     @sized(gluon.jit)
     def _dh_act_sm90_kernel(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
@@ -478,12 +535,13 @@ if GLUON:
                             pre_ptr, dpre_ptr, part_ptr, weights_ptr, stride_pre, stride_dpre, stride_part,
                             stride_wt_t, stride_wt_k, alpha, limit, SAVE_AB: gl.constexpr,
                             B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr, A_STAGES: gl.constexpr,
-                            B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr):
+                            B_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACT: gl.constexpr,
+                            PAIRS: gl.constexpr):
         _gather_gemm(a_ptr, b0_desc, b1_desc, c0_desc, c1_desc, c0_ptr, c1_ptr, token_index_ptr, tile0_ptr,
                      tile_expert_ptr, tile_start_ptr, offsets_ptr, num_m, num_n, tiles_total, slot0, slot1, k_dim,
                      n_dim, K, stride_a, e_rows0, e_rows1, stride_c0, stride_c1, pre_ptr, dpre_ptr, part_ptr,
                      weights_ptr, stride_pre, stride_dpre, stride_part, stride_wt_t, stride_wt_k, alpha, limit,
-                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, ACT)
+                     False, SAVE_AB, B_KMAJOR, GROUP_M, A_STAGES, B_STAGES, PRODUCER_REGS, True, ACT, PAIRS)
 
 
 def launches() -> int:
@@ -554,10 +612,12 @@ def dh_usable(dy: torch.Tensor, out: torch.Tensor, block_m: int) -> bool:
 
 
 def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: torch.Tensor | None, plan, K: int,
-            k_dim: int, n_dim: int, window, block_n: int, act=None, epi: tuple | None = None, **constexprs) -> None:
+            k_dim: int, n_dim: int, window, block_n: int, act=None, epi: tuple | None = None,
+            pairs: bool = False) -> None:
     """Launch ``kernel`` over the window: c0 ``[.., n_dim]`` out, and c1 ``[.., 2 n_dim]`` (A|B) when not None;
     ``act``: the activation (an ``Activation`` named in :data:`ACTIVATIONS`) of the up kernel and the fused dh;
-    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`); ``constexprs``: the kernel's own."""
+    ``epi`` = (pre, dpre, part, weights) for the fused dh (:func:`dh_act_sm90`), A|B and dA|dB interleaved where
+    ``pairs``."""
     block = [BLOCK_M, block_n]
     c0_desc = GluonDescriptor.from_tensor(c0, block, common.layout(block, c0.dtype))
     c1 = c1 if c1 is not None else c0  # (never written unless SAVE_AB)
@@ -579,7 +639,7 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         ACT=act_math.ACT_CODES[act.name] if act is not None else 0,
         SAVE_AB=c1 is not c0, B_KMAJOR=w.kmajor, GROUP_M=GROUP_M,
         A_STAGES=A_STAGES if epi is None else A_STAGES - 1,  # the fused dh's A|B blocks take one stage's 16 KB
-        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, **constexprs,
+        B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, PAIRS=pairs,
         num_warps=8,
     )
     _LAUNCHES[0] += 1
@@ -616,9 +676,12 @@ def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: t
 
 
 def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hw: torch.Tensor,
-                pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor, act) -> None:
+                pre: torch.Tensor, dpre: torch.Tensor, part: torch.Tensor, weights: torch.Tensor, act,
+                pairs: bool = False) -> None:
     """dh's GEMM and its activation's epilogue in one launch (:func:`dh_act_usable` true), the results of the split's
     two launches (``triton.dh._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
     ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N + 1]``, by
-    slot); ``pre`` is the saved A|B from the window's first slot."""
-    _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, act, (pre, dpre, part, weights))
+    slot); ``pre`` is the saved A|B from the window's first slot; ``pairs``: A|B and dA|dB interleaved column by
+    column (``BackwardPlan.pairs``)."""
+    _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, act, (pre, dpre, part, weights),
+            pairs)
