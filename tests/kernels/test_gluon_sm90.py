@@ -80,6 +80,22 @@ def test_gluon_option_is_read_at_every_call():
     assert sm90_common.enabled()
 
 
+def test_gluon_kernels_take_launches_only_on_the_triton_they_support(monkeypatch):
+    # Gluon's API moves between Triton releases: the kernels launch only where SUPPORTED (Triton 3.6), with the kernel
+    # option on, on an sm_90 CUDA device. A stand-in for a CUDA tensor on an sm_90 device.
+    import types
+
+    t = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(sm90_common, "is_sm90", lambda device: True)
+    monkeypatch.setattr(sm90_common, "SUPPORTED", True)
+    assert sm90_common.takes(t)
+    with moeblaze_fx.patch(kernels={"gluon": False}):
+        assert not sm90_common.takes(t)
+    assert not sm90_common.takes(types.SimpleNamespace(is_cuda=False, device=torch.device("cpu")))
+    monkeypatch.setattr(sm90_common, "SUPPORTED", False)  # e.g. Triton 3.9, whose Gluon fails on these kernels
+    assert not sm90_common.takes(t)
+
+
 def test_dw_never_taken_on_the_cpu():
     x = torch.randn(8, 128, dtype=torch.bfloat16)
     slots = torch.randn(16, 256, dtype=torch.bfloat16)
@@ -272,6 +288,18 @@ def _assert_same_results(first, second, what: str, weights_close: bool = False) 
 
 def _launches() -> tuple[int, int, int]:
     return sm90_down.launches(), sm90_dw.launches(), sm90_gather.launches()
+
+
+@pytest.mark.cuda
+def test_no_gluon_launch_on_an_unsupported_triton_cuda(monkeypatch):
+    # where the Triton release is not the kernels' (sm90.common.SUPPORTED false), the Triton kernels take every launch
+    _need_sm90()
+    case = make_case(900, 256, 256, 8, 2, act="swiglu", layout="hf_fused", device="cuda", dtype=torch.bfloat16,
+                     ids_mode="random", seed=3)
+    monkeypatch.setattr(sm90_common, "SUPPORTED", False)
+    before = _launches()
+    check_against_reference(case, "activations", tol=1e-2, ref_dtype=torch.float32)
+    assert _launches() == before
 
 
 @pytest.mark.cuda

@@ -2,7 +2,9 @@
 row blocks of an ``[E, r, c]`` view, and the Gluon device helpers more than one kernel calls.
 
 Gluon is experimental: its import (and API) may be missing from a Triton build; :data:`GLUON` says whether it
-imported, and the kernels' modules import the Gluon names from here. A Gluon function resolves the functions it calls
+imported, and the kernels' modules import the Gluon names from here. Its API also changes from one Triton release
+to the next: the kernels are written and tested against Triton 3.6 and take launches only there (:data:`SUPPORTED`,
+:func:`takes`; elsewhere the Triton kernels run). A Gluon function resolves the functions it calls
 in its own module's namespace: the kernels call the helpers below as ``common.tile``, ``common.grouped_ids``,
 ``common.ring_barriers`` and ``common.release``.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 from ..autotune import options
 
@@ -29,7 +32,13 @@ try:  # Gluon is experimental: its import (and API) may be missing from a Triton
 except ImportError:  # pragma: no cover - depends on the Triton build
     GLUON = False
 
-__all__ = ["GLUON", "enabled", "is_sm90", "sm_count", "rows_view", "row_block_descs", "layout", "rows_ok"]
+# The Triton release the kernels are written and tested against. Gluon's API moves between releases (Triton 3.9's
+# shared memory descriptors have no ``_reinterpret``, which the gathering kernels' epilogues use), so on another the
+# kernels would fail to compile at their first launch: there the Triton kernels take every launch.
+SUPPORTED = GLUON and triton.__version__.startswith("3.6.")
+
+__all__ = ["GLUON", "SUPPORTED", "enabled", "takes", "is_sm90", "sm_count", "rows_view", "row_block_descs", "layout",
+           "rows_ok"]
 
 
 if GLUON:
@@ -82,6 +91,12 @@ def enabled() -> bool:
     """Whether the Gluon kernels (:mod:`.down`'s, :mod:`.gather`'s, :mod:`.dw`'s) may take launches: the kernel
     option ``gluon`` in force (``autotune.options()``)."""
     return options().gluon
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether the Gluon kernels may take launches over ``t``'s device: a Triton they support (:data:`SUPPORTED`),
+    the kernel option ``gluon`` in force (:func:`enabled`) and an sm_90 CUDA device."""
+    return SUPPORTED and enabled() and t.is_cuda and is_sm90(t.device)
 
 
 _SM90: dict[int, bool] = {}

@@ -210,7 +210,7 @@ def weights(b0: torch.Tensor, b1: torch.Tensor | None, kmajor: bool, k_dim: int)
     base and strides: ``triton.common.weight_tma_mode``). None when the kernel cannot take them: Gluon missing or
     switched off, not an sm_90 device, not 16-bit, two tables with k contiguous, k % 64 with n contiguous, or
     experts that are not row blocks of one view."""
-    if not (GLUON and common.enabled() and b0.is_cuda and common.is_sm90(b0.device)):
+    if not common.takes(b0):
         return None
     if b0.dtype not in (torch.bfloat16, torch.float16) or (b1 is not None and (b1.dtype != b0.dtype or kmajor)):
         return None

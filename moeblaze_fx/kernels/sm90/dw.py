@@ -271,7 +271,7 @@ def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bo
     (``out``, a :class:`~.tables.WeightTable`) of [rows, cols] multiples of 16, with one unit stride, the other a
     multiple of 16 bytes, and 16-byte aligned matrices. Tiles past the matrix's rows or columns read zeros and store
     only what is inside it."""
-    if not (GLUON and common.enabled() and tokens.is_cuda and common.is_sm90(tokens.device)):
+    if not common.takes(tokens):
         return False
     if tokens.dtype not in (torch.bfloat16, torch.float16) or slots.dtype != tokens.dtype or out.dtype != tokens.dtype:
         return False

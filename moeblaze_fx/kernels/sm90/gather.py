@@ -559,7 +559,7 @@ class GatherWeights(NamedTuple):
 
 def _weights(views: list, kmajor: bool, k_dim: int, block_n: int) -> GatherWeights | None:
     """Descriptors with blocks of ``block_n`` x 64 over each view's row blocks (see :func:`up_weights`)."""
-    if not (GLUON and common.enabled() and views[0].is_cuda and common.is_sm90(views[0].device)):
+    if not common.takes(views[0]):
         return None
     if views[0].dtype not in (torch.bfloat16, torch.float16) or any(v.dtype != views[0].dtype for v in views):
         return None
