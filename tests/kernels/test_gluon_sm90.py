@@ -206,6 +206,9 @@ def _need_sm90():
         pytest.skip(f"the Gluon kernels run on sm_90 only; this device is sm_{major}{minor}")
     if not sm90_common.GLUON:
         pytest.skip("this Triton build has no Gluon")
+    if not sm90_common.SUPPORTED:
+        import triton
+        pytest.skip(f"the Gluon kernels launch only with Triton 3.6 (sm90.common.SUPPORTED), not {triton.__version__}")
 
 
 # (T, d, h, E, K, ids_mode, layout, bias, dtype, window_slots, down launches, (dW launches, of which TMA stores) per

@@ -425,7 +425,7 @@ def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slot
     assert kinds.count("down") + sm90_down.launches() - gluon0[0] == 2 * 2 * windows
     assert kinds.count("dw") + sm90_dw.launches() - gluon0[1] == 2 * 2 * windows
     # dh's GEMM and its epilogue in one Gluon launch a window (d % 64 == 0, h % 16 == 0 on sm_90), else two launches
-    fused = sm90_common.GLUON and torch.cuda.get_device_capability() == (9, 0) and d % 64 == 0 and h % 16 == 0
+    fused = sm90_common.SUPPORTED and torch.cuda.get_device_capability() == (9, 0) and d % 64 == 0 and h % 16 == 0
     assert sm90_gather.act_launches() - gluon0[2] == (2 * windows if fused else 0)
     assert kinds.count("dh_act") == (0 if fused else 2 * windows)
 
@@ -480,8 +480,8 @@ def test_interleaved_fused_dh_matches_triton_cuda(monkeypatch, T, d, h, E, K, id
     into pairs) and the other Gluon units against the Triton kernels alone: the forward, dx and every weight gradient
     bitwise; the routing weights' gradient within 1e-2 (the fused kernel sums <dH', H> over 32 columns, then adds the
     two halves)."""
-    if not (sm90_common.GLUON and torch.cuda.get_device_capability() == (9, 0)):
-        pytest.skip("the Gluon kernels run on sm_90 with a Triton that has Gluon")
+    if not (sm90_common.SUPPORTED and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon kernels run on sm_90 with the Triton they support (sm90.common.SUPPORTED: 3.6)")
     case = make_case(T, d, h, E, K, act=GPT_OSS, bias=bias, dtype=torch.bfloat16, device="cuda", ids_mode=ids_mode,
                      seed=T + h + 1)
     windows = tcommon.num_slot_windows(T * K, window_slots)
