@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moeblaze_fx
+
 from moeblaze_fx.kernels import autotune
 from moeblaze_fx.kernels.backward import expert_backward
 from moeblaze_fx.kernels.autotune import plan_block_m
@@ -399,6 +401,11 @@ def _cuda_case_id(c) -> str:
     return f"T{c[0]}-d{c[1]}-h{c[2]}-K{c[4]}-w{c[6]}-{'bias' if c[7] else 'nobias'}"
 
 
+def _gluon_runs() -> bool:
+    """Whether the Gluon kernels take launches here: an sm_90 device and the Triton they support."""
+    return sm90_common.SUPPORTED and torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots,bias", CUDA_CASES, ids=map(_cuda_case_id, CUDA_CASES))
@@ -425,7 +432,7 @@ def test_interleaved_bf16_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slot
     assert kinds.count("down") + sm90_down.launches() - gluon0[0] == 2 * 2 * windows
     assert kinds.count("dw") + sm90_dw.launches() - gluon0[1] == 2 * 2 * windows
     # dh's GEMM and its epilogue in one Gluon launch a window (d % 64 == 0, h % 16 == 0 on sm_90), else two launches
-    fused = sm90_common.SUPPORTED and torch.cuda.get_device_capability() == (9, 0) and d % 64 == 0 and h % 16 == 0
+    fused = _gluon_runs() and d % 64 == 0 and h % 16 == 0
     assert sm90_gather.act_launches() - gluon0[2] == (2 * windows if fused else 0)
     assert kinds.count("dh_act") == (0 if fused else 2 * windows)
 
@@ -460,37 +467,28 @@ def test_operator_over_gpt_oss_storage_bf16_cuda(checkpoint):
     assert float((got[1].double() - want[1].double()).norm() / scale) <= 1e-2
 
 
-def _gluon(monkeypatch, on: bool) -> None:
-    """The Gluon kernels on or off (the kernel option ``gluon``) until the test ends."""
-    import dataclasses
-
-    from moeblaze_fx import config
-    from moeblaze_fx.config import KernelOptions
-    monkeypatch.setattr(config, "_current", dataclasses.replace(config.current(), kernels=KernelOptions(gluon=on)))
-
-
 GLUON_CASES = [c for c in CUDA_CASES if c[1] % 64 == 0 and c[2] % 16 == 0]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["activations", "recompute"])
 @pytest.mark.parametrize("T,d,h,E,K,ids_mode,window_slots,bias", GLUON_CASES, ids=map(_cuda_case_id, GLUON_CASES))
-def test_interleaved_fused_dh_matches_triton_cuda(monkeypatch, T, d, h, E, K, ids_mode, window_slots, bias, policy):
+def test_interleaved_fused_dh_matches_triton_cuda(T, d, h, E, K, ids_mode, window_slots, bias, policy):
     """The fused Gluon dh over interleaved A|B (each block's 32 + 32 column pairs split in registers, dA|dB joined back
     into pairs) and the other Gluon units against the Triton kernels alone: the forward, dx and every weight gradient
     bitwise; the routing weights' gradient within 1e-2 (the fused kernel sums <dH', H> over 32 columns, then adds the
     two halves)."""
-    if not (sm90_common.SUPPORTED and torch.cuda.get_device_capability() == (9, 0)):
+    if not _gluon_runs():
         pytest.skip("the Gluon kernels run on sm_90 with the Triton they support (sm90.common.SUPPORTED: 3.6)")
     case = make_case(T, d, h, E, K, act=GPT_OSS, bias=bias, dtype=torch.bfloat16, device="cuda", ids_mode=ids_mode,
                      seed=T + h + 1)
     windows = tcommon.num_slot_windows(T * K, window_slots)
-    _gluon(monkeypatch, True)
     fused = sm90_gather.act_launches()
-    y1, got1 = run_kernels(case, policy, window_slots)
+    with moeblaze_fx.patch(kernels={"gluon": True}):
+        y1, got1 = run_kernels(case, policy, window_slots)
     assert sm90_gather.act_launches() - fused == windows
-    _gluon(monkeypatch, False)
-    y2, got2 = run_kernels(case, policy, window_slots)
+    with moeblaze_fx.patch(kernels={"gluon": False}):
+        y2, got2 = run_kernels(case, policy, window_slots)
     assert sm90_gather.act_launches() - fused == windows
     assert torch.equal(y1, y2), "forward differs from the Triton kernels'"
     differ = [k for k in got1 if k != "weights" and not torch.equal(got1[k], got2[k])]
