@@ -123,6 +123,20 @@ def mode_patches(mode: Optional[str], inductor: bool = True) -> dict[str, Any]:
     return patches
 
 
+def _order_patches() -> dict[str, Any]:
+    """Inductor settings for a graph with MoEBlaze operators: the post-grad pass that places the backward's gate|up
+    gradients (``passes/order.py``), unless the user has a post-grad pass of their own there."""
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.post_grad_custom_post_pass is not None:
+        log.info("moeblaze: torch._inductor.config.post_grad_custom_post_pass is set: the backward's gate|up "
+                 "gradients stay where autograd and Inductor put them (docs/memory.md)")
+        return {}
+    from .passes.order import SinkWeightGradients
+
+    return {"post_grad_custom_post_pass": SinkWeightGradients()}
+
+
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool,
              patches: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -139,9 +153,9 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: bool,
                 return lookup_backend("aot_eager")(gm, example_inputs)
         return gm.forward
     tag = cache_key_tag(gm, example_inputs)
-    patches = patches or None
     if tag is None:
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+    patches = {**_order_patches(), **(patches or {})} or None
     # the tag around AOTAutograd's key, and around each graph's compile: the backward's runs at its first call, on
     # autograd's thread (config patches are per thread)
     with torch.compiler.config.patch(cache_key_tag=tag):

@@ -68,3 +68,19 @@ def rewritten_graph(module: torch.nn.Module, *inputs, options=None) -> str:
     torch.compile(module, backend=capture, fullgraph=True)(*inputs)
     assert len(graphs) == 1, f"expected one graph, Dynamo made {len(graphs)}"
     return graphs[0]
+
+
+def cpu_peak_bytes(fn) -> int:
+    """The most bytes that ``fn`` holds at once on the CPU beyond what was alive before it (torch.profiler's memory
+    events summed in time order: Inductor's output code allocates outside any Python dispatch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from helpers import cpu_peak_bytes
 from moeblaze_fx.bench.models import build_model
 
 VOCAB, TOKENS = 2048, 32
@@ -55,22 +56,6 @@ PEAK_SIZES = dict(vocab_size=9472, hidden_size=256, moe_intermediate_size=88, n_
 PEAK_TOKENS = 128
 
 
-def _cpu_peak_bytes(fn) -> int:
-    """The most bytes that ``fn`` holds at once on the CPU beyond what was alive before it (torch.profiler's memory
-    events summed in time order: Inductor's output code allocates outside any Python dispatch)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def _glm_step(backend: str, dtype: torch.dtype):
     """(logits, loss, every parameter's gradient by name, the compiled backward's output code or None, the CPU peak
     of a second step in bytes) of one forward + loss + backward."""
@@ -99,7 +84,7 @@ def _glm_step(backend: str, dtype: torch.dtype):
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = None
-    peak = _cpu_peak_bytes(step)
+    peak = cpu_peak_bytes(step)
     return out[0].logits.detach(), out[0].loss.detach(), grads, code, peak
 
 
