@@ -53,11 +53,12 @@ def sink_weight_gradients(graph: fx.Graph) -> int:
     target = torch.ops.moeblaze.moe_ffn_backward_dw.default
     moved = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is target]:
-        group, frontier = [node], [node]  # the call and the views of its results (allocating nothing)
+        members = {node: None}  # the call and the views of its results (allocating nothing), in discovery order
+        frontier = [node]
         while frontier:
-            frontier = [u for n in frontier for u in n.users if _is_view(u) and u not in group]
-            group.extend(frontier)
-        members = set(group)
+            frontier = list(dict.fromkeys(u for n in frontier for u in n.users if _is_view(u) and u not in members))
+            members.update(dict.fromkeys(frontier))
+        group = list(members)
         readers = {u for n in group for u in n.users if u not in members}
         if not readers:
             continue
@@ -71,6 +72,8 @@ def sink_weight_gradients(graph: fx.Graph) -> int:
         allocated = _bytes(node.meta.get("val"))
         if allocated <= kept:
             continue
+        if any(position[i] >= position[first] for n in group for i in n.all_input_nodes if i not in members):
+            continue  # a view reading a node made later (none is known): moving would break the order
         for n in sorted(group, key=position.__getitem__):
             first.prepend(n)
         moved += 1

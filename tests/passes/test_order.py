@@ -2,6 +2,7 @@
 
 A tiny gpt-oss causal LM (biases, interleaved gate|up) compiled whole, bf16, on the CPU path: its three-operator
 backward goes through AOTAutograd and Inductor as on the GPU."""
+import operator
 import re
 
 import pytest
@@ -106,3 +107,44 @@ def test_the_pass_on_a_graph_without_moeblaze_operators_moves_nothing():
     assert sink_weight_gradients(gm.graph) == 0
     assert [n.name for n in gm.graph.nodes] == before
     assert SinkWeightGradients().uuid().startswith("moeblaze-sink-weight-gradients-")
+
+
+def _graph(tokens: int, experts: int):
+    """A post-grad-like graph: dw's gradient (``[E, 2h, d]``, read by the output through getitem) beside another
+    node that the output also reads; meta values as Inductor's graphs carry them."""
+    d, h, K = 16, 8, 2
+    g = torch.fx.Graph()
+    vals = {"dpre": torch.empty(tokens * K, 2 * h), "x": torch.empty(tokens, d),
+            "ids": torch.empty(tokens, K, dtype=torch.int64), "w": torch.empty(tokens, K),
+            "gate_up": torch.empty(experts, 2 * h, d), "down": torch.empty(experts, d, h),
+            "plan": torch.empty(tokens * K, dtype=torch.int32)}
+    nodes = {}
+    for name, v in vals.items():
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["val"] = v
+    dw = g.call_function(torch.ops.moeblaze.moe_ffn_backward_dw.default,
+                         (nodes["dpre"], nodes["x"], nodes["ids"], nodes["w"], [nodes["gate_up"], nodes["down"]],
+                          [0], [nodes["plan"]], "swiglu"))
+    dw.meta["val"] = [torch.empty(experts, 2 * h, d)]
+    grad = g.call_function(operator.getitem, (dw, 0))
+    other = g.call_function(torch.ops.aten.mul.Tensor, (nodes["x"], nodes["x"]))
+    g.output((grad, other))
+    return g
+
+
+def _order(graph) -> list[str]:
+    return [n.name for n in graph.nodes if n.op == "call_function"]
+
+
+def test_sink_moves_the_call_and_its_views_before_the_first_reader():
+    graph = _graph(tokens=4, experts=8)  # gradient 8 x 16 x 16 x 4 bytes against 4 tokens' operands
+    assert _order(graph) == ["moe_ffn_backward_dw_default", "getitem", "mul_tensor"]
+    assert sink_weight_gradients(graph) == 1
+    assert _order(graph) == ["mul_tensor", "moe_ffn_backward_dw_default", "getitem"]
+    assert sink_weight_gradients(graph) == 0  # already there
+
+
+def test_sink_leaves_a_call_whose_operands_outweigh_its_gradients():
+    graph = _graph(tokens=512, experts=2)
+    assert sink_weight_gradients(graph) == 0
+    assert _order(graph) == ["moe_ffn_backward_dw_default", "getitem", "mul_tensor"]
