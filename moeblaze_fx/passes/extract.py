@@ -383,6 +383,17 @@ def _shaping(cand: Candidate) -> set[str]:
             and _on_floats(n)}
 
 
+def _traced_floats(cand: Candidate) -> list[str]:
+    """The float scalars traced as graph values (``torch.SymFloat``) that the region's activation-shaping calls, or the
+    products, quotients and negations feeding them, take as arguments."""
+    names = set()
+    for n in cand.nodes:
+        if _shaping_name(n) in _SHAPING or canonical_name(n) in ("mul", "mul_", "truediv", "div", "neg"):
+            names.update(a.name for a in (*n.args, *n.kwargs.values())
+                         if isinstance(a, fx.Node) and isinstance(example_value(a), torch.SymFloat))
+    return sorted(names)
+
+
 def unaccounted(cand: Candidate, act: Activation) -> list[str]:
     """The activation-shaping functions the region calls that ``act`` does not compute."""
     return sorted(_shaping(cand) - _ACCOUNTED[act.name])
@@ -517,6 +528,12 @@ def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: lis
     activations = {gated: _activations(cand, gated) for gated in (True, False)}
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:
+        traced = _traced_floats(cand)
+        if traced:
+            return (f"the experts' activation takes traced float inputs ({', '.join(traced)}) where the operator needs "
+                    "constants: under dynamic shapes Dynamo makes a module's float attributes (gpt-oss's swiglu "
+                    "limit and alpha, for one) inputs of the graph; set torch._dynamo.config.specialize_float = True "
+                    "before compiling")
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
                 "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
