@@ -23,20 +23,18 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .find import example_value, size_hint
+
 __all__ = ["sink_weight_gradients", "SinkWeightGradients"]
 
 log = logging.getLogger("moeblaze_fx")
 
 
 def _bytes(value: Any) -> int:
-    """Bytes of a node's value (a tensor, or a list/tuple of them); a symbolic size at its hint (1M elements
-    without one)."""
+    """Bytes of a node's value (a tensor, or a list/tuple of them); a symbolic size at its hint (1M elements for a
+    data-dependent one)."""
     if isinstance(value, torch.Tensor):
-        numel = value.numel()
-        if not isinstance(numel, int):
-            hint = getattr(getattr(numel, "node", None), "hint", None)
-            numel = int(hint) if hint is not None else 1 << 20
-        return numel * value.element_size()
+        return size_hint(value.numel(), unbacked=1 << 20) * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(_bytes(v) for v in value)
     return 0
@@ -68,8 +66,8 @@ def sink_weight_gradients(graph: fx.Graph) -> int:
             continue  # already there
         args = dict(zip((a.name for a in target._schema.arguments), node.args)) | dict(node.kwargs)
         params = set(args.get("params") or ())
-        kept = sum(_bytes(n.meta.get("val")) for n in node.all_input_nodes if n not in params)
-        allocated = _bytes(node.meta.get("val"))
+        kept = sum(_bytes(example_value(n)) for n in node.all_input_nodes if n not in params)
+        allocated = _bytes(example_value(node))
         if allocated <= kept:
             continue
         if any(position[i] >= position[first] for n in group for i in n.all_input_nodes if i not in members):

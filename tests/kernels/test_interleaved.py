@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import moeblaze_fx
 
@@ -479,7 +480,8 @@ def test_interleaved_fused_dh_matches_triton_cuda(T, d, h, E, K, ids_mode, windo
     bitwise; the routing weights' gradient within 1e-2 (the fused kernel sums <dH', H> over 32 columns, then adds the
     two halves)."""
     if not _gluon_runs():
-        pytest.skip("the Gluon kernels run on sm_90 with the Triton they support (sm90.common.SUPPORTED: 3.6)")
+        pytest.skip(f"the Gluon kernels run on sm_90 with Triton 3.6 (sm90.common.SUPPORTED); this is "
+                    f"sm_{''.join(map(str, torch.cuda.get_device_capability()))} with Triton {triton.__version__}")
     case = make_case(T, d, h, E, K, act=GPT_OSS, bias=bias, dtype=torch.bfloat16, device="cuda", ids_mode=ids_mode,
                      seed=T + h + 1)
     windows = tcommon.num_slot_windows(T * K, window_slots)
