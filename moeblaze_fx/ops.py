@@ -263,17 +263,23 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
                     key: tuple | None = None):
     """What one call's windows or chunks compute with: tables and biases for the kernels, or dense ``ExpertParams``
     for the plain-PyTorch path. With ``key`` (:func:`_weights_key` of ``params`` and the layout of ``views``), the
-    tables' pointers are kept for later calls with the same key, dtype and stream where they may be
-    (``tables.cacheable``); what is kept holds no parameter, so it keeps none alive: each call views the parameters
-    again (the tables' ``dense``, the biases). The kernels' plans then keep their weight units (descriptors over
-    the tables' ``dense`` views, which are views of the detached parameters) under the same key until one of the
-    parameters goes (``kernels.plan.UnitsKey``)."""
+    tables are kept for later calls with the same key, dtype and stream where they may be (``tables.cacheable``).
+    For a model's weights (:func:`_units_key`) they are kept whole, ``dense`` views of the detached parameters
+    included, with the kernels' plans' weight units (descriptors over those views), until one of the parameters goes
+    (``kernels.plan.UnitsKey``): a call then views nothing again but the biases, which are copied at every call.
+    For other weights (cast for this call) only the pointers are kept, holding no tensor, and each call views them
+    again."""
     if not _use_triton(x):
         return dense_experts(params, views, E)
-    tables = _triton_kernels()[3]
+    kernels = _triton_kernels()
+    tables = kernels[3]
     if key is None or not tables.cacheable(x.device):
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E), None)
     key = (key, x.dtype, tables.stream_key(x.device))
+    units = _units_key(key, params, views)
+    if units is not None:
+        return _KernelWeights(kernels[6].keep(units, ("tables", E), x, lambda: _tables(params, views, E)),
+                              _biases(params, views, E), units)
     kept = _WEIGHTS.get(key)
     if kept is None:
         built = _tables(params, views, E)
@@ -281,7 +287,7 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     else:  # the same tables over this call's views of the parameters
         built = tables.ExpertTables(*[None if t is None else t if v.count > 1 else t._replace(
             dense=role_value(params, v, E, detached=True)) for t, v in zip(kept, views[:3])])
-    return _KernelWeights(built, _biases(params, views, E), _units_key(key, params, views))
+    return _KernelWeights(built, _biases(params, views, E), None)
 
 
 def _units_key(key: tuple, params: Sequence[Tensor], views: Sequence[RoleView | None]):

@@ -34,7 +34,7 @@ from .triton import down as tdown
 from .triton import up as tup
 from .triton.common import SlotWindow, desc_view, slot_windows, table_align, weight_tma_mode
 
-__all__ = ["UpUnit", "DownUnit", "ForwardPlan", "BackwardPlan", "UnitsKey", "forward_plan", "backward_plan",
+__all__ = ["UpUnit", "DownUnit", "ForwardPlan", "BackwardPlan", "UnitsKey", "keep", "forward_plan", "backward_plan",
            "up_sm90_weights"]
 
 
@@ -59,8 +59,9 @@ _UNITS: dict = {}
 _UNITS_MAX = 256
 
 
-def _units(cache: UnitsKey | None, what: tuple, x: Tensor, make):
-    """``make()``, kept under ``cache`` (see :class:`UnitsKey`) where given."""
+def keep(cache: UnitsKey | None, what: tuple, x: Tensor, make):
+    """``make()``, kept under ``cache`` (see :class:`UnitsKey`) and ``what`` where given: the plans' weight units, and
+    the operator's weight tables (``ops._expert_weights``)."""
     if cache is None:
         return make()
     slot = (tuple(map(id, cache.owners)), what, x.dtype, x.device, options(), tdh.DH_SPLIT)
@@ -158,7 +159,7 @@ def forward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int,
         align, w_tma = tup.up_weight_mode(w, x)
         return UpUnit(align, w_tma, up_sm90_weights(w, d, w_tma, x), biased), down_unit(w.down, None, False, h, x)
 
-    up, down = _units(cache, ("forward", d, h, biased), x, make)
+    up, down = keep(cache, ("forward", d, h, biased), x, make)
     return ForwardPlan(slot_windows(plan, window_slots), up, down)
 
 
@@ -241,7 +242,7 @@ def backward_plan(x: Tensor, w: ExpertTables, plan: DispatchPlan, d: int, h: int
                   cache: UnitsKey | None = None) -> BackwardPlan:
     """The plan of one backward call (or of one of its phases: ``act_phase``, ``dx_phase`` say which units run); its
     units kept under ``cache`` where given."""
-    units = _units(cache, ("backward", d, h, recompute, biased, act_phase, dx_phase), x,
+    units = keep(cache, ("backward", d, h, recompute, biased, act_phase, dx_phase), x,
                    lambda: _backward_units(x, w, d, h, recompute, biased, act_phase, dx_phase))
     return BackwardPlan(slot_windows(plan, window_slots), *units)
 

@@ -140,7 +140,7 @@ def test_kept_weight_units_follow_their_parameters():
     made = []
 
     def get(key, owners, x, what=("forward",)):
-        return plan._units(plan.UnitsKey(key, owners), what, x, lambda: made.append(key) or object())
+        return plan.keep(plan.UnitsKey(key, owners), what, x, lambda: made.append(key) or object())
 
     p, q = torch.zeros(4), torch.zeros(3)
     x = torch.zeros(2, dtype=torch.float16)
@@ -157,9 +157,9 @@ def test_kept_weight_units_follow_their_parameters():
     del q
     gc.collect()
     assert len(plan._UNITS) == 0  # every entry had q among its owners
-    assert plan._units(None, ("forward",), x, lambda: 7) == 7 and len(plan._UNITS) == 0
+    assert plan.keep(None, ("forward",), x, lambda: 7) == 7 and len(plan._UNITS) == 0
     # an owner that takes no weak reference could never drop its entry: none is made
-    assert plan._units(plan.UnitsKey("at A", (p, 1234567)), ("forward",), x, lambda: 8) == 8 and len(plan._UNITS) == 0
+    assert plan.keep(plan.UnitsKey("at A", (p, 1234567)), ("forward",), x, lambda: 8) == 8 and len(plan._UNITS) == 0
 
 
 def test_a_full_units_cache_is_emptied(monkeypatch):
@@ -170,7 +170,7 @@ def test_a_full_units_cache_is_emptied(monkeypatch):
     plan._UNITS.clear()
     owners = [torch.zeros(1) for _ in range(3)]
     for o in owners:
-        plan._units(plan.UnitsKey("k", (o,)), ("forward",), owners[0], object)
+        plan.keep(plan.UnitsKey("k", (o,)), ("forward",), owners[0], object)
     assert len(plan._UNITS) == 1
 
 
@@ -239,3 +239,42 @@ def test_weight_units_are_kept_only_for_a_models_weights():
     frozen = [torch.nn.Parameter(p, requires_grad=False) for p in params]  # frozen experts (fine-tuning)
     assert all(a is b for a, b in zip(ops._units_key(("k",), frozen, views).owners, frozen))
     assert ops._units_key(("k",), [grads[0], params[1]], views) is None  # one not a model's weight
+
+
+def test_a_models_tables_are_kept_whole_and_go_with_it(monkeypatch):
+    """For a model's weights (parameters, or tensors requiring grad) the experts' tables are kept whole, their dense
+    views of the detached parameters included, with the plans' weight units: a later call with the parameters where
+    they were views nothing again; parameters moved get new tables; the tables go with the parameters. (The Triton
+    path's bookkeeping on the CPU: nothing is launched.)"""
+    pytest.importorskip("triton")
+    from moeblaze_fx.kernels import plan, tables
+
+    monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+    monkeypatch.setattr(tables, "cacheable", lambda device: True)
+    monkeypatch.setattr(tables, "stream_key", lambda device: 0)
+    plan._UNITS.clear()
+    x, _, _, params, layout = _args(dtype=torch.float32)
+    params = [p.detach().clone().requires_grad_() for p in params]
+    E, views = decode_layout(layout)
+
+    def weights(params):
+        return ops._expert_weights(x, params, views, E, ops._weights_key(params, layout))
+
+    got = weights(params)  # (its units hold the parameters: the call's own)
+    first = got.tables
+    assert got.units is not None and len(plan._UNITS) == 1
+    assert first.gate.dense is not None and first.gate.dense.data_ptr() == params[0].data_ptr()
+    assert first.gate.dense._base is not params[0] and not first.gate.dense.requires_grad
+    again = weights(params).tables
+    assert again is first  # kept: nothing viewed again
+    for p in params:  # the same parameters in new memory: new tables in the same entry
+        p.data = p.data.clone()
+    moved = weights(params).tables
+    assert moved is not first and len(plan._UNITS) == 1 and moved.down.dense.data_ptr() == params[1].data_ptr()
+    refs = [weakref.ref(p) for p in params]
+    del params, got, p
+    gc.collect()
+    assert all(r() is None for r in refs) and len(plan._UNITS) == 0  # gone with them
+    # weights cast for the call (no grad, not parameters): only their pointers are kept, nothing viewed is
+    plain = _args()[3]
+    assert weights(plain).units is None and len(plan._UNITS) == 0
