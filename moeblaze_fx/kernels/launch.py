@@ -59,6 +59,10 @@ try:  # pragma: no cover - depends on the Triton build
 except ImportError:  # pragma: no cover
     _knobs = _GluonDescriptor = _Heuristics = _JITFunction = None
     _SUPPORTED = False
+try:  # pragma: no cover - depends on the Triton build
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+except ImportError:  # pragma: no cover
+    _make_tensordesc_arg = None
 
 
 class _Unkeyed(Exception):
@@ -177,13 +181,75 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None):
             try:
-                _CACHE[key] = (compiled, _remaining_args(kernel, len(args), kwargs))
+                _CACHE[key] = (compiled, _remaining_args(kernel, len(args), kwargs), _raw_launcher(compiled.run))
             except _Unkeyed:
                 pass
         return
-    compiled, rest = entry
+    compiled, rest, raw = entry
     _STATS["fast"] += 1
-    device = key[1]
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata, None,
-                 None, None, *args, *rest)  # no launch metadata, no hooks: none would run
+    stream = torch._C._cuda_getCurrentRawStream(key[1])
+    gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+    if raw is None:
+        compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                     *rest)  # no launch metadata, no hooks: none would run
+        return
+    run, coop, pdl, descs = raw
+    full = args + rest
+    if descs:
+        full = _expand(full, descs)
+    # no scratch, no launch metadata, no hooks
+    run(gx, gy, gz, stream, compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None,
+        *full)
+
+
+# The driver-level launch (Triton 3.6's ``CudaLauncher``): ``compiled.run(...)`` allocates the kernel's scratch
+# buffers (none for the kernels here) and, for a kernel taking host tensor descriptors, hands its arguments to a
+# Python loop that replaces each descriptor by its CUtensorMap and shape and strides, encoded again at every launch
+# (``make_tensordesc_arg``). :func:`launch` calls the driver's launch function itself with those arguments in place,
+# and keeps each descriptor's encoding on the descriptor: a descriptor over the weights, kept from call to call
+# with its plan's units (``kernels.plan``), is encoded once. About a third of the launches' host time of an operator
+# step went to that wrapping (py-spy over a compiled OLMoE step, H200, docs/host.md).
+_DESC_ATTR = "_moeblaze_encoded"
+
+
+def _raw_launcher(run):
+    """``(launch function, cooperative grid, PDL, ((position, metadata), ...) of the descriptors among the
+    arguments))`` of a compiled kernel's launcher, or None where its form is not Triton 3.6's ``CudaLauncher`` with no
+    scratch (then ``compiled.run`` is called)."""
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    fn = getattr(run, "launch", None)
+    code = getattr(fn, "__code__", None)
+    if fn is None or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
+        return None
+    if code is None:  # the compiled launch function itself: no descriptor among the arguments
+        return fn, run.launch_cooperative_grid, run.launch_pdl, ()
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or _make_tensordesc_arg is None:
+        return None  # (not wrap_handle_tensordesc's inner)
+    descs = tuple(zip(sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]))
+    return cells["launcher"], run.launch_cooperative_grid, run.launch_pdl, descs
+
+
+def _expand(args: tuple, descs: tuple) -> tuple:
+    """``args`` with each descriptor at the positions of ``descs`` replaced by its encoding, as
+    ``wrap_handle_tensordesc`` does."""
+    out, prev = [], 0
+    for i, meta in descs:
+        out.extend(args[prev:i])
+        out.extend(_encoded(args[i], meta))
+        prev = i + 1
+    out.extend(args[prev:])
+    return tuple(out)
+
+
+def _encoded(desc, meta) -> list:
+    """``make_tensordesc_arg(desc, meta)``, kept on the descriptor for the same metadata and base address (a
+    descriptor's base, shape and strides are fixed when it is made)."""
+    got = getattr(desc, _DESC_ATTR, None)
+    ptr = desc.base.data_ptr()
+    if got is not None and got[0] is meta and got[1] == ptr:
+        return got[2]
+    encoded = _make_tensordesc_arg(desc, meta)
+    setattr(desc, _DESC_ATTR, (meta, ptr, encoded))
+    return encoded

@@ -319,3 +319,64 @@ def test_cuda_layer_steps_through_the_launcher_equal_triton_s_path(monkeypatch):
         for a, b in zip(fast, off):
             assert torch.equal(a, b), T
     assert L.stats()["fast"] > after["fast"]
+
+
+def _wrapped(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's ``wrap_handle_tensordesc``: its inner function, as :func:`L._raw_launcher` reads it (its free
+    variables); the fast path never calls it."""
+    def inner(*args):
+        raise AssertionError(("the fast path calls the driver's launch function itself", launcher, tensordesc_indices,
+                              tensordesc_meta))
+    return inner
+
+
+class _Desc:
+    """A host tensor descriptor, keyed as Triton specializes one (:func:`L._arg_key`)."""
+
+    def __init__(self, base):
+        self.base, self.shape, self.strides = base, list(base.shape), list(base.stride())
+        self.block_shape, self.layout, self.padding = [16], "nvmma", "zero"
+
+
+class _Driver:
+    """Triton 3.6's ``CudaLauncher``: no scratch, and ``launch`` the driver's function, wrapped where the kernel
+    takes descriptors."""
+
+    def __init__(self, calls, descs=None, scratch=0):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        raw = lambda *a: calls.append(("raw", a))  # noqa: E731
+        self.launch = raw if descs is None else _wrapped(raw, set(descs), [{"meta": i} for i in descs])
+        self.calls = calls
+
+    def __call__(self, *a):
+        self.calls.append(("fast", a))
+
+
+def test_the_driver_launches_with_each_descriptor_encoded_once(fast, monkeypatch):
+    """A kernel whose launcher has no scratch is launched through the driver's own function, each descriptor replaced
+    by its encoding in place; a descriptor's encoding is kept on it (the weights' descriptors live from call to
+    call), a new descriptor is encoded again; with scratch to allocate, the launcher's own call is kept."""
+    encoded = []
+    monkeypatch.setattr(L, "_GluonDescriptor", _Desc)
+    monkeypatch.setattr(L, "_make_tensordesc_arg", lambda d, meta: encoded.append((d, meta)) or ["map", *d.shape])
+    kernel = _Kernel(["x", "desc", "n", "BLOCK"], {})
+    driver = _Driver(kernel.calls, descs=[1])
+    monkeypatch.setattr(_Compiled, "run", driver)
+    x, w = torch.zeros(64), _Desc(torch.zeros(32))
+    for n in (17, 18, 19):
+        L.launch(kernel, (3,), x, w, n, BLOCK=64)
+    assert _kinds(kernel) == ["slow", "raw", "raw"]
+    # grid, stream, handle, cooperative, PDL, no scratch, packed metadata, no launch metadata or hooks, then the
+    # arguments with the descriptor's encoding (its map, shape, strides) in its place
+    assert kernel.calls[1][1] == (3, 1, 1, 77, "fn-handle", False, True, None, None, ("warps", 1, 0), None, None, None,
+                                  x, "map", 32, 18, 64)
+    assert encoded == [(w, {"meta": 1})]  # encoded once
+    other = _Desc(torch.zeros(32))
+    L.launch(kernel, (3,), x, other, 17, BLOCK=64)
+    assert len(encoded) == 2 and encoded[1][0] is other and kernel.calls[-1][1][-4:] == ("map", 32, 17, 64)
+    plain = _Kernel(["x", "n", "BLOCK"], {})
+    monkeypatch.setattr(_Compiled, "run", _Driver(plain.calls, scratch=128))  # scratch: the launcher's own call
+    for n in (17, 18):
+        L.launch(plain, (1,), x, n, BLOCK=64)
+    assert _kinds(plain) == ["slow", "fast"]
