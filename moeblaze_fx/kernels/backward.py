@@ -22,10 +22,11 @@ Data flow (six launches, seven under "activations", + one small reduction, plus 
                           H = act(A, B)
                           dw partial = <dH', H> over this program's columns   (routing-weight gradient)
                           dH = w * dH';  dA, dB = act'(A, B) dH
-                        ──▶ dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N+1] fp32 by slot
+                        ──▶ dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N] fp32 by slot
     _expert_bias_grad_kernel (down bias only), per expert and column block of d:
                           d_down_bias[e] = sum_{s in e} w_s dy[tok_s];  <dy[tok_s], b_down[e]> partials by slot
-    dweights = partials.sum(0)[slot_of]                                 (fixed order: deterministic)
+    dweights[p] = sum_r partials[r, slot_of[p]]                         (one gather launch, rows in a fixed
+                                                                         order: deterministic)
     _expert_dw_kernel   dW_down[e]    = sum_{s in e} dy[tok_s].T (w*H)[s]  (dy gathered, slots = contraction)
     _expert_down_kernel dX[s]         = dA[s] @ W_gate[e] + dB[s] @ W_up[e]  (row tiles; two K loops, one acc)
     _expert_dw_kernel   dW_gate[e].T  = sum_{s in e} x[tok_s].T dA[s]      (x gathered); dW_up likewise from dB;
@@ -79,7 +80,7 @@ from .tables import ExpertTables, WeightTable
 from .triton import dh as tdh
 from .triton import dw as tdw
 from .triton import up as tup
-from .triton.combine import combine
+from .triton.combine import combine, routing_weight_grad
 from .triton.common import check_expert_inputs, check_table
 
 __all__ = ["expert_backward", "check_grad_tables", "PHASE_ROLES"]
@@ -178,8 +179,8 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # Rows of the routing-weight partials: first the <dy, b_down> ones (one per column block of d), then the
     # <dH', H> chunks, then spare chunks a program's columns may run into.
     bias_rows = triton.cdiv(d, tdw.bias_grad_block_n(d)) if down_bias is not None and d > 0 else 0
-    # The routing-weight gradient's partial sums, by slot; column N stays 0, for the unrouted pairs (slot_of -1)
-    part = torch.zeros((bias_rows + num_chunks + tdh.MAX_BLOCK_N // chunk, N + 1), dtype=torch.float32,
+    # The routing-weight gradient's partial sums, by slot (zero where no program adds one)
+    part = torch.zeros((bias_rows + num_chunks + tdh.MAX_BLOCK_N // chunk, N), dtype=torch.float32,
                        device=x.device) if act_phase else None
     d_down_bias = None
     if down_bias is not None and act_phase:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> in part
@@ -275,7 +276,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         return dx, None, None, None, None
     if phase == "dw":
         return None, None, d_gate_bias, d_up_bias, None
-    dweights = part[:bias_rows + num_chunks].sum(0)[plan.slot_of].view(T, K).to(weights.dtype)  # (-1: column N)
+    dweights = routing_weight_grad(part, bias_rows + num_chunks, plan.slot_of, T, K, weights.dtype)
     if phase == "act":
         return dpre, dweights, None, None, d_down_bias
     return dx, dweights, d_gate_bias, d_up_bias, d_down_bias

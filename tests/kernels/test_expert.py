@@ -1077,3 +1077,26 @@ def test_host_descriptors_take_the_launch_block():
         tc.pre_hook(dict(tc.all_kwargs(), b0_desc=desc, n_dim=3))
         assert desc.block_shape == [cfg.block_k, cfg.block_n]
     autotune.fit_descriptors([torch.zeros(1), 3], {"BLOCK_K": 1})  # other arguments are left alone
+
+
+def test_routing_weight_grad_sums_each_pairs_partials_in_row_order():
+    """dweights[t, k] = the fp32 sum over rows r < ``rows`` of part[r, slot_of[t*K + k]], in r order, cast once to the
+    weights' dtype (bitwise a sequential sum); 0 for an unrouted pair (slot -1); rows past ``rows`` are not read;
+    several programs' blocks of pairs."""
+    from moeblaze_fx.kernels.triton.combine import routing_weight_grad
+
+    T, K, rows = 300, 3, 5
+    g = torch.Generator().manual_seed(0)
+    part = torch.randn(rows + 2, T * K, generator=g)
+    part[rows:] = float("nan")  # spare rows: never read
+    slot_of = torch.randperm(T * K, generator=g).to(torch.int32)
+    slot_of[::7] = -1
+    got = routing_weight_grad(part, rows, slot_of, T, K, torch.float16)
+    want = torch.zeros(T * K)
+    for r in range(rows):
+        want = want + part[r, slot_of.clamp(min=0).long()]
+    want[slot_of < 0] = 0
+    assert got.dtype == torch.float16 and got.shape == (T, K)
+    assert torch.equal(got, want.view(T, K).half())
+    assert torch.equal(routing_weight_grad(part, 0, slot_of, T, K, torch.float32), torch.zeros(T, K))
+    assert routing_weight_grad(part[:, :0], rows, slot_of[:0], 0, K, torch.float32).shape == (0, K)

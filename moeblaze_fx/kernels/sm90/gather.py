@@ -281,7 +281,7 @@ if GLUON:
             gl.store(dpre + n_dim, d_b.to(dtype), mask=mask)
             gl.store(hw_ptr + local * stride_hw + cols[None, :], (hid * wt[:, None]).to(dtype), mask=mask)
             gl.store(part_ptr + (col0 // 64).to(gl.int64) * stride_part + rows, part,
-                     mask=row_ok & (col0 < n_dim))  # (chunks x (N + 1) may pass 2^31)
+                     mask=row_ok & (col0 < n_dim))  # (chunks x N may pass 2^31)
 
     @gluon.jit
     def _dh_act_run(blocks, w_smem, ab_smem, epi, hw_ptr, stride_hw, done, target, start, first, end, n0, slot0,
@@ -680,7 +680,7 @@ def dh_act_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int
                 pairs: bool = False) -> None:
     """dh's GEMM and its activation's epilogue in one launch (:func:`dh_act_usable` true), the results of the split's
     two launches (``triton.dh._expert_dh_kernel`` PHASE 1 then 2): dA|dB into ``dpre`` ``[.., 2h]``, w*H into ``hw``
-    ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N + 1]``, by
+    ``[.., h]`` (both the window's rows), ``<dH', H>`` over each 64 columns into ``part`` (``[chunks, N]``, by
     slot); ``pre`` is the saved A|B from the window's first slot; ``pairs``: A|B and dA|dB interleaved column by
     column (``BackwardPlan.pairs``)."""
     _launch(_dh_act_sm90_kernel, dy, w, hw, None, plan, K, d, h, window, DH_BLOCK_N, act, (pre, dpre, part, weights),

@@ -1,6 +1,9 @@
 """The deterministic combine: out[t] (+)= sum_k w[t, k] * y[slot_of[t*K + k]] over the pairs whose slot lies in
 a slot window, fp32 accumulation in a fixed k order, unrouted pairs (slot -1) skipped. The forward combines Y into
 y, the backward the per-slot dX into dx. Nothing is reduced with atomics: two runs are bitwise identical.
+
+The routing weights' gradient goes back to pair order the same way (:func:`routing_weight_grad`): the backward's
+kernels leave its partial sums by slot, and dweights[p] is the sum of those at slot_of[p].
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from .. import autotune
 from ..launch import launch, sized
 from ..reference import DispatchPlan
 
-__all__ = ["combine", "combine_tokens"]
+__all__ = ["combine", "combine_tokens", "routing_weight_grad"]
 
 
 @triton.jit
@@ -173,3 +176,32 @@ def _combine_args(y_slots: Tensor, weights: Tensor | None, out: Tensor) -> tuple
     sw = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     w = weights if weights is not None else y_slots
     return block_d, w, (y_slots.stride(0), y_slots.stride(1), *sw, out.stride(0), out.stride(1))
+
+
+@sized(triton.jit)
+def _routing_weight_grad_kernel(part_ptr, slot_of_ptr, out_ptr, N, rows, stride_part, BLOCK: tl.constexpr):
+    """out[p] = sum over r < rows of part[r, slot_of[p]] (in r order, fp32), 0 for an unrouted pair (slot -1)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < N
+    slot = tl.load(slot_of_ptr + p, mask=mask, other=-1)
+    routed = mask & (slot >= 0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in range(0, rows):
+        acc += tl.load(part_ptr + r * stride_part + slot, mask=routed, other=0.0)
+    tl.store(out_ptr + p, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def routing_weight_grad(part: Tensor, rows: int, slot_of: Tensor, T: int, K: int, dtype) -> Tensor:
+    """dweights ``[T, K]`` of ``dtype``: ``dweights[t, k] = sum_{r < rows} part[r, slot_of[t*K + k]]`` (fp32, rows in
+    order), 0 where the pair is unrouted (slot -1). ``part``: the backward's fp32 partial sums by slot, rows of unit
+    column stride. One launch, where the sum, the gather and the cast took three and three allocations."""
+    out = part.new_empty((T, K), dtype=dtype)
+    N = T * K
+    if N == 0:
+        return out
+    if rows == 0:
+        return out.zero_()
+    block = 256
+    launch(_routing_weight_grad_kernel, (triton.cdiv(N, block),), part, slot_of, out, N, rows, part.stride(0),
+           BLOCK=block, num_warps=4)
+    return out

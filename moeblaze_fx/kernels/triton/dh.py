@@ -5,7 +5,7 @@
 
 then the epilogue, the activation recomputed in registers (constexpr ACT): H = act(A, B); the routing-weight
 gradient's partial <dH', H> over the program's columns, by slot; dH = w * dH'; dA, dB = act'(A, B) dH.
-Out: dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N+1] fp32 by slot. A|B and dA|dB are A's h
+Out: dA|dB [N, 2h] (dA [N, h] plain), w*H [N, h], partials [h/chunk, N] fp32 by slot. A|B and dA|dB are A's h
 columns then B's, or interleaved column by column where the gate and up weights are (PAIRS, gpt-oss's).
 
 Under "activations" the kernel runs as two launches (:data:`DH_SPLIT`, PHASE 1 then 2): the GEMM, dH' stored into
@@ -40,7 +40,7 @@ def _dh_epilogue(
     preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype (the window's rows), read unless RECOMPUTE
     dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out
-    part_ptr,  # [num_chunks, N + 1] fp32, out: by slot
+    part_ptr,  # [num_chunks, N] fp32, out: by slot
     stride_pre_s, stride_pre_n, stride_dpre_s, stride_dpre_n, stride_hw_s, stride_hw_n, stride_part_c,
     ACT: tl.constexpr, GATED: tl.constexpr,
     RECOMPUTE: tl.constexpr, CHUNK_N: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
@@ -155,7 +155,7 @@ def _expert_dh_kernel(
     preact_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype: saved A|B of the window's slots, read unless RECOMPUTE
     dpre_ptr,  # [slot1 - slot0, 2h] or [.., h] x.dtype, out: dA|dB of the window's slots
     hw_ptr,  # [slot1 - slot0, h] x.dtype, out: w * H of the window's slots
-    part_ptr,  # [num_chunks, N + 1] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by slot
+    part_ptr,  # [num_chunks, N] fp32, out: <dH', H> over each chunk of CHUNK_N columns, by slot
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
     tile_expert_ptr,  # [tiles_total] int32

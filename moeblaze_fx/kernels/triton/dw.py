@@ -174,7 +174,7 @@ def _expert_bias_grad_kernel(
     weights_ptr,  # [T, K] any float dtype: scales each row when SCALE
     bias_ptr,  # [E, n_dim] contiguous: when DOT, <row, bias[e]> of each slot goes to part
     out_ptr,  # [E, n_dim] fp32 contiguous, out: sum over e's slots in the window of (w *) row
-    part_ptr,  # [cdiv(n_dim, BLOCK_N), N + 1] fp32, out when DOT: by slot, one row per column block
+    part_ptr,  # [cdiv(n_dim, BLOCK_N), N] fp32, out when DOT: by slot, one row per column block
     token_index_ptr,  # [N] int32
     offsets_ptr,  # [E+1] int32
     n_dim, K, slot0, slot1,
