@@ -59,7 +59,10 @@ def encode_layout(num_experts: int, views: Sequence[RoleView | None]) -> list[in
 
 def decode_layout(layout: Sequence[int]) -> tuple[int, tuple[RoleView | None, ...]]:
     """``(E, views)`` of an encoded layout (cached: every operator call decodes its layout)."""
-    return _decode_layout(tuple(int(v) for v in layout))  # SymInts under tracing: the layout is static
+    try:
+        return _decode_layout(tuple(layout))
+    except TypeError:  # SymInts under tracing, which do not hash: the layout is static
+        return _decode_layout(tuple(int(v) for v in layout))
 
 
 @functools.lru_cache(maxsize=512)
