@@ -10,7 +10,10 @@ under a key of everything Triton's specialization reads: each constexpr's value 
 each tensor's dtype and 16-byte alignment, each int's value being 1, divisible by 16 and its width, each
 descriptor's dtype, block, layout, padding and alignments, the keyword arguments (constexprs, the values of
 ``triton.heuristics``, options) and the device. A later launch with the same key calls the compiled kernel's
-launcher directly with the same arguments Triton would pass. The key holds more than Triton specializes on,
+launcher directly with the same arguments Triton would pass, or, where that launcher is Triton 3.6's
+``CudaLauncher`` with no scratch to allocate, the driver's launch function under it, each host tensor descriptor
+replaced by its encoding as the launcher would (kept on the descriptor: see :func:`_encoded`). The key holds more
+than Triton specializes on,
 never less: a miss only costs one ordinary launch. One of Triton's per-launch checks is not repeated on a hit:
 that the globals a kernel read when compiled are unchanged (the kernels here read only constants). A kernel
 with a pre-run hook, and a runtime argument passed by keyword, take Triton's path.
