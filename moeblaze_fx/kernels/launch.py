@@ -210,8 +210,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 # Python loop that replaces each descriptor by its CUtensorMap and shape and strides, encoded again at every launch
 # (``make_tensordesc_arg``). :func:`launch` calls the driver's launch function itself with those arguments in place,
 # and keeps each descriptor's encoding on the descriptor: a descriptor over the weights, kept from call to call
-# with its plan's units (``kernels.plan``), is encoded once. About a third of the launches' host time of an operator
-# step went to that wrapping (py-spy over a compiled OLMoE step, H200, docs/host.md).
+# with its plan's units (``kernels.plan``), is encoded once. Measured: 0.17-0.35 ms less host time an operator step
+# at two layer shapes, against the launcher's own call in alternate processes (H200, docs/host.md).
 _DESC_ATTR = "_moeblaze_encoded"
 
 

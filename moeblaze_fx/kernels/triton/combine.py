@@ -186,8 +186,10 @@ def _routing_weight_grad_kernel(part_ptr, slot_of_ptr, out_ptr, N, rows, stride_
     slot = tl.load(slot_of_ptr + p, mask=mask, other=-1)
     routed = mask & (slot >= 0)
     acc = tl.zeros([BLOCK], tl.float32)
-    for r in range(0, rows):
-        acc += tl.load(part_ptr + r * stride_part + slot, mask=routed, other=0.0)
+    ptrs = part_ptr + slot
+    for _ in range(0, rows):  # (the pointers step by a row: rows x N may pass 2^31)
+        acc += tl.load(ptrs, mask=routed, other=0.0)
+        ptrs += stride_part
     tl.store(out_ptr + p, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
