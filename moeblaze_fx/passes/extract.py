@@ -173,6 +173,10 @@ class Extraction:
     dtype: torch.dtype
     # how the combine weights are applied: hypotheses for prove, the operator's own first
     routings: list[Routing] = dataclasses.field(default_factory=lambda: [OUTPUT_WEIGHTED])
+    # the float scalars the region takes as graph values (``torch.SymFloat``: under dynamic shapes Dynamo makes a
+    # module's float attributes, gpt-oss's swiglu limit and alpha, inputs of the graph), read here at their values:
+    # the rewrite bakes those values into the operator and guards the compiled graph on them
+    traced_floats: tuple[fx.Node, ...] = ()
 
 
 def _routings(cand: Candidate, K: int) -> list[Routing]:
@@ -332,7 +336,22 @@ def _layouts(roles: list[Role], names: list[str], d: int) -> tuple[list[Layout],
 
 
 def _constants(node: fx.Node) -> list[float]:
-    return [float(a) for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    """The node's number arguments: literals, and traced floats at their values (:func:`traced_floats`)."""
+    out = []
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            out.append(float(a))
+        elif isinstance(a, fx.Node) and (value := float_hint(a)) is not None:
+            out.append(value)
+    return out
+
+
+def float_hint(node: fx.Node) -> float | None:
+    """The value a traced float (a node whose example value is a ``torch.SymFloat``) has in this compile, or None
+    (not a traced float, or one without a value: data-dependent)."""
+    val = example_value(node)
+    hint = getattr(val.node, "hint", None) if isinstance(val, torch.SymFloat) else None
+    return None if hint is None else float(hint)
 
 
 # Elementwise functions that give an expert activation its shape. A region may call only those its activation
@@ -383,15 +402,15 @@ def _shaping(cand: Candidate) -> set[str]:
             and _on_floats(n)}
 
 
-def _traced_floats(cand: Candidate) -> list[str]:
-    """The float scalars traced as graph values (``torch.SymFloat``) that the region's activation-shaping calls, or the
-    products, quotients and negations feeding them, take as arguments."""
-    names = set()
+def traced_floats(cand: Candidate) -> tuple[fx.Node, ...]:
+    """The float scalars traced as graph values (``torch.SymFloat``) that the region's nodes take as arguments, in
+    graph order: the values the region computes with beyond its tensors."""
+    found: dict[fx.Node, None] = {}
     for n in cand.nodes:
-        if _shaping_name(n) in _SHAPING or canonical_name(n) in ("mul", "mul_", "truediv", "div", "neg"):
-            names.update(a.name for a in (*n.args, *n.kwargs.values())
-                         if isinstance(a, fx.Node) and isinstance(example_value(a), torch.SymFloat))
-    return sorted(names)
+        for a in (*n.args, *n.kwargs.values()):
+            if isinstance(a, fx.Node) and isinstance(example_value(a), torch.SymFloat):
+                found[a] = None
+    return tuple(found)
 
 
 def unaccounted(cand: Candidate, act: Activation) -> list[str]:
@@ -514,7 +533,8 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
         return found
     layouts, h, activations, dtype = found
     return Extraction(x=data[0], weights=None, ids=cand.ids, roles=roles, role_names=role_names, layouts=layouts,
-                      activations=activations, T=N, K=1, d=int(d), h=h, E=E, dtype=dtype)
+                      activations=activations, T=N, K=1, d=int(d), h=h, E=E, dtype=dtype,
+                      traced_floats=traced_floats(cand))
 
 
 def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: list[str], d: int,
@@ -525,15 +545,13 @@ def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: lis
     if isinstance(lay, str):
         return lay
     layouts, h = lay
+    unknown = [n.name for n in traced_floats(cand) if float_hint(n) is None]
+    if unknown:  # (the others are taken at their values, and the graph guarded on them)
+        return (f"the experts read traced floats without a value in this compile ({', '.join(unknown)}) where the "
+                "operator needs constants; set torch._dynamo.config.specialize_float = True before compiling")
     activations = {gated: _activations(cand, gated) for gated in (True, False)}
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:
-        traced = _traced_floats(cand)
-        if traced:
-            return (f"the experts' activation takes traced float inputs ({', '.join(traced)}) where the operator needs "
-                    "constants: under dynamic shapes Dynamo makes a module's float attributes (gpt-oss's swiglu "
-                    "limit and alpha, for one) inputs of the graph; set torch._dynamo.config.specialize_float = True "
-                    "before compiling")
         called = sorted(_shaping(cand))
         return ("no supported expert activation (SwiGLU, GeGLU, the clamped SwiGLUs of gpt-oss and DeepSeek-V4, "
                 "Inkling 2's soft-capped SwiGLU, SiLU, GELU, ReLU, squared ReLU; GELU exact or tanh) computes what "
@@ -610,7 +628,7 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
         activations=activations, T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
-        dtype=dtype, routings=_routings(cand, int(K)),
+        dtype=dtype, routings=_routings(cand, int(K)), traced_floats=traced_floats(cand),
     )
 
 

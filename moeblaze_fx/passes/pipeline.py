@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
+from torch.fx.experimental.symbolic_shapes import guard_float
 
 from ..config import MoEBlazeConfig, encode_kernels
 from ..kernels.reference import plan_sizes
@@ -287,6 +288,10 @@ def _rewrite(work: fx.GraphModule, real: dict[fx.Node, Any], cfg: MoEBlazeConfig
         with_grad = traced_with_gradients(cand)
         policy = _policy(cfg, t_hint, ext.K, ext.h, itemsize) if with_grad else "recompute"
         chunk = default_chunk_tokens(ext.K, ext.d, ext.h, act.gated, itemsize, cfg.transient_budget)
+        if ext.traced_floats:  # their values are baked into the operator: the compiled graph serves those only
+            for node in ext.traced_floats:
+                guard_float(example_value(node))
+            record.check += "; the traced float inputs it reads taken at their values (the graph is guarded on them)"
         rewrite(work, cand, ext, layout, act.spec, policy, chunk, routing, encode_kernels(cfg.kernels))
         record.status, record.policy = "rewritten", policy
         x_val = example_value(ext.x)

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
-from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing, ids_from_counts
+from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing, float_hint, ids_from_counts
 from .find import Candidate, example_value, same_size, size_hint
 from .normalize import role
 
@@ -132,6 +132,8 @@ def _inputs(cand: Candidate, ext: Extraction, real: dict[fx.Node, Any], gen: tor
             values[node] = _strided_like(val, torch.rand(_concrete_shape(val), generator=gen, device=device))
         elif isinstance(real.get(node, val), torch.SymInt):
             values[node] = size_hint(real.get(node, val))
+        elif isinstance(val, torch.SymFloat) and node not in real:  # a traced float: its value in this compile
+            values[node] = float_hint(node)
         elif node in real:
             values[node] = real[node]
         elif isinstance(val, torch.Tensor):
