@@ -547,8 +547,9 @@ def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: lis
     layouts, h = lay
     unknown = [n.name for n in traced_floats(cand) if float_hint(n) is None]
     if unknown:  # (the others are taken at their values, and the graph guarded on them)
-        return (f"the experts read traced floats without a value in this compile ({', '.join(unknown)}) where the "
-                "operator needs constants; set torch._dynamo.config.specialize_float = True before compiling")
+        return (f"the experts read floats computed from tensors in the graph ({', '.join(unknown)}: no value in this "
+                "compile) where the operator needs constants; make them Python floats (a module attribute, a "
+                "constant)")
     activations = {gated: _activations(cand, gated) for gated in (True, False)}
     layouts = [lay for lay in layouts if activations[lay.up is not None]]
     if not layouts:

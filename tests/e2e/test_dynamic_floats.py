@@ -53,7 +53,8 @@ def test_specialized_floats_under_dynamic_shapes_are_rewritten(gpt_oss):
 
 def test_traced_floats_and_their_values():
     """The floats a region reads as graph values, in graph order, and each one's value in the compile: none for a
-    data-dependent one (an unbacked ``SymFloat``), which cannot be baked in (extract then names it in its reason)."""
+    data-dependent one (an unbacked ``SymFloat``, a tensor's ``.item()``), which cannot be baked in (extract then names
+    it in its reason)."""
     import types
 
     import torch.fx as fx
