@@ -531,21 +531,22 @@ def _extract_counts_grouped(cand: Candidate, params: set[fx.Node], name_of: dict
     found = _layouts_and_activations(cand, roles, role_names, int(d), example_value(data[0]).dtype)
     if isinstance(found, str):
         return found
-    layouts, h, activations, dtype = found
+    layouts, h, activations, dtype, floats = found
     return Extraction(x=data[0], weights=None, ids=cand.ids, roles=roles, role_names=role_names, layouts=layouts,
-                      activations=activations, T=N, K=1, d=int(d), h=h, E=E, dtype=dtype,
-                      traced_floats=traced_floats(cand))
+                      activations=activations, T=N, K=1, d=int(d), h=h, E=E, dtype=dtype, traced_floats=floats)
 
 
 def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: list[str], d: int,
-                             x_dtype: torch.dtype) -> tuple[list[Layout], int, list, torch.dtype] | str:
+                             x_dtype: torch.dtype
+                             ) -> tuple[list[Layout], int, list, torch.dtype, tuple[fx.Node, ...]] | str:
     """(the layouts whose gatedness a supported activation matches, h, those activations (gated first), the dtype the
-    experts compute in), or the reason there are none."""
+    experts compute in, the region's :func:`traced_floats`), or the reason there are none."""
     lay = _layouts(roles, role_names, d)
     if isinstance(lay, str):
         return lay
     layouts, h = lay
-    unknown = [n.name for n in traced_floats(cand) if float_hint(n) is None]
+    floats = traced_floats(cand)
+    unknown = [n.name for n in floats if float_hint(n) is None]
     if unknown:  # (the others are taken at their values, and the graph guarded on them)
         return (f"the experts read floats computed from tensors in the graph ({', '.join(unknown)}: no value in this "
                 "compile) where the operator needs constants; make them Python floats (a module attribute, a "
@@ -562,7 +563,7 @@ def _layouts_and_activations(cand: Candidate, roles: list[Role], role_names: lis
     if dtype not in _COMPUTE_DTYPES:
         return (f"the experts compute in {dtype}, which the operator does not support ({_COMPUTE_DTYPES}); cast the "
                 "tokens and expert weights to one of those")
-    return layouts, h, activations[True] + activations[False], dtype
+    return layouts, h, activations[True] + activations[False], dtype, floats
 
 
 def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) -> Extraction | str:
@@ -625,11 +626,11 @@ def extract(cand: Candidate, params: set[fx.Node], name_of: dict[fx.Node, str]) 
     found = _layouts_and_activations(cand, roles, role_names, d, example_value(xs[0]).dtype)
     if isinstance(found, str):
         return found
-    layouts, h, activations, dtype = found
+    layouts, h, activations, dtype, floats = found
     return Extraction(
         x=xs[0], weights=ws[0], ids=ids, roles=roles, role_names=role_names, layouts=layouts,
         activations=activations, T=T, K=int(K), d=int(d), h=h, E=int(roles[0].shape[0]),
-        dtype=dtype, routings=_routings(cand, int(K)), traced_floats=traced_floats(cand),
+        dtype=dtype, routings=_routings(cand, int(K)), traced_floats=floats,
     )
 
 
