@@ -121,10 +121,16 @@ class KernelOptions:
     # "dense" ranks with a one-hot tile: slower, kept as the plain form of the sort to compare with). None: chosen
     # from the number of pairs and experts. For tests (several chunks at small sizes) and debugging.
     dispatch_config: Optional[str] = None
+    # Replay an operator call from the record of an earlier call with the same signature (kernels.program): its
+    # PyTorch operations and kernel launches again, with none of the orchestration's Python. False: the
+    # orchestration decides every call again (the way around a problem in a replay, and what the cuda tests compare
+    # against).
+    replay: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gluon, bool):
-            raise TypeError(f"moeblaze: kernel option 'gluon' must be True or False, got {self.gluon!r}")
+        for name in ("gluon", "replay"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"moeblaze: kernel option {name!r} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "kernel_config", _kernel_config(self.kernel_config))
         object.__setattr__(self, "dispatch_config", _dispatch_config(self.dispatch_config))
         # made once: moe_ffn reads it at every call, and Dynamo traces that read (not dataclasses.fields)

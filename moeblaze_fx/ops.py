@@ -180,15 +180,15 @@ def _dense_storage(p: Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
-    """(dispatch, forward, backward, tables, autotune, triton.common, plan) modules, or None where Triton or the
-    kernels are missing."""
+    """(dispatch, forward, backward, tables, autotune, triton.common, plan, program, launch) modules, or None where
+    Triton or the kernels are missing."""
     try:
-        from .kernels import autotune, backward, dispatch, forward, plan, tables
+        from .kernels import autotune, backward, dispatch, forward, launch, plan, program, tables
         from .kernels.triton import common
     except ImportError as exc:
         log.debug("moeblaze: Triton kernels unavailable (%s); using the PyTorch implementation", exc)
         return None
-    return dispatch, forward, backward, tables, autotune, common, plan
+    return dispatch, forward, backward, tables, autotune, common, plan, program, launch
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -323,6 +323,28 @@ def _weights_key(params: Sequence[Tensor], layout: Sequence[int]) -> tuple:
     return tuple((p.data_ptr(), p.shape, p.stride(), p.dtype, p.device) for p in params), tuple(layout)
 
 
+def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], wkey: tuple,
+                inputs: list[Tensor], body):
+    """``body()``, a Triton-path call of an operator (``what``: its name and the non-tensor arguments the
+    signature does not already hold) whose tensor arguments are ``inputs``, through its recorded launch program
+    (``kernels.program``): recorded, or replayed from the record of an earlier call with the same signature. The
+    signature: ``what``, each input's shape, strides, dtype and 16-byte alignment, the parameters' addresses and the
+    layout (``wkey``), the stream and device, and (through ``kernels.plan.keep``) the kernel options in force. A
+    program is kept with the parameters' units (a model's weights only: see :func:`_units_key`) and goes with them.
+    Not used under the kernel option ``replay=False``, while launches take Triton's own path (a profiler's hook),
+    or while allocations come from a CUDA graph's pool."""
+    kernels = _triton_kernels()
+    tables, autotune, plan, program, launch = (kernels[i] for i in (3, 4, 6, 7, 8))
+    if not autotune.options().replay or not launch.direct() or not tables.cacheable(x.device):
+        return body()
+    units = _units_key((wkey, x.dtype, tables.stream_key(x.device)), params, views)
+    if units is None:
+        return body()
+    signature = (what, torch.cuda.current_device(),
+                 tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs))
+    return program.run(plan.keep(units, ("program", signature), x, program.Entry), inputs, body)
+
+
 def _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey) -> tuple[int, Activation]:
     """:func:`_check_inputs` of a real call, run once per signature of the arguments (``wkey``: the
     :func:`_weights_key` of ``params`` and ``layout``)."""
@@ -363,7 +385,12 @@ def _moe_ffn(
     h, act = _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey)
     opts = decode_kernels(kernel_options)
     with _using(opts, x.dtype):
-        return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
+        if not _use_triton(x):
+            return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
+        return _programmed(("moe_ffn", activation, checkpoint, chunk_tokens), x, params, decode_layout(layout)[1],
+                           wkey, [x, ids, weights, *params],
+                           lambda: _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts,
+                                            wkey))
 
 
 def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey):
@@ -489,11 +516,18 @@ def _moe_ffn_backward(
         raise ValueError(f"moeblaze.moe_ffn_backward: checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
     opts = decode_kernels(kernel_options)
     with _using(opts, x.dtype):
-        return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens,
-                              opts)
+        if not _use_triton(x):
+            return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint,
+                                  chunk_tokens, opts)
+        wkey = _weights_key(params, layout)
+        return _programmed(("moe_ffn_backward", activation, checkpoint, chunk_tokens), x, params,
+                           decode_layout(layout)[1], wkey, [grad_y, x, ids, weights, *params, preact, *plan],
+                           lambda: _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act,
+                                                  checkpoint, chunk_tokens, opts, wkey))
 
 
-def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens, opts):
+def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens, opts,
+                   wkey=None):
     recompute = checkpoint == "recompute"
     E, views = decode_layout(layout)
     T, K = ids.shape
@@ -501,7 +535,7 @@ def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, c
         raise ValueError(f"moeblaze.moe_ffn_backward: plan must be the forward's {len(DispatchPlan._fields)} int32 "
                          f"tensors (or [] to dispatch again); got {[(tuple(t.shape), t.dtype) for t in plan]}")
     grad_y = grad_y.contiguous()
-    experts = _expert_weights(x, params, views, E, _weights_key(params, layout))
+    experts = _expert_weights(x, params, views, E, wkey or _weights_key(params, layout))
     if isinstance(experts, _KernelWeights):
         return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan,
                                 _once(lambda: _grad_buffers(params, views, E)), chunk_tokens, opts)
@@ -707,11 +741,16 @@ def _moe_ffn_backward_act(
     if path == "cpu":
         return _torch_phase("act", grad_y.contiguous(), x, ids, weights, params, views, E, act, preact, None,
                             down_side, opts)
-    with _using(opts, x.dtype):
+    wkey = _weights_key(params, layout)
+
+    def body():
         bufs = _once(lambda: _grad_buffers(params, views, E, down_side))
-        experts = _expert_weights(x, params, views, E, _weights_key(params, layout))
+        experts = _expert_weights(x, params, views, E, wkey)
         return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, act, preact, False, plan,
                                 bufs, 0, opts, "act")
+    with _using(opts, x.dtype):
+        return _programmed(("moe_ffn_backward_act", activation), x, params, views, wkey,
+                           [grad_y, x, ids, weights, *params, preact, *plan], body)
 
 
 @_moe_ffn_backward_act.register_fake
@@ -740,11 +779,15 @@ def _from_dpre(phase, dpre, x, ids, weights, params, layout, plan, activation, k
     act = parse_activation(activation)
     if path == "cpu":
         return _torch_phase(phase, None, x, ids, weights, params, views, E, act, None, dpre, groups, opts)
-    with _using(opts, x.dtype):
+    wkey = _weights_key(params, layout)
+
+    def body():
         bufs = _once(lambda: _grad_buffers(params, views, E, groups))
-        experts = _expert_weights(x, params, views, E, _weights_key(params, layout))
+        experts = _expert_weights(x, params, views, E, wkey)
         return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
                                 phase, dpre)
+    with _using(opts, x.dtype):
+        return _programmed((name, activation), x, params, views, wkey, [dpre, x, ids, weights, *params, *plan], body)
 
 
 def _from_dpre_fake(phase, dpre, x, ids, params, layout, plan, activation, kernel_options):

@@ -48,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import config as _config
 from ..config import KernelOptions, interpreting
+from . import program as _program
 
 __all__ = [
     "KernelConfig",
@@ -286,7 +287,9 @@ def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
     first launch of each key (:func:`_launch_key`) runs ``tuned_kernel`` (tuning when its key is new), later
     ones run ``kernel`` with the configuration it chose, the same call without the tuner's bookkeeping.
 
-    ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
+    ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``). These launches take Triton's own
+    path, which a recorded program cannot replay (:mod:`.program`): a call making one is not recorded."""
+    _program.refuse("a launch of an autotuned Triton kernel (Triton's own path)")
     cfg = _fixed_config()
     if cfg is None:  # a kind with one candidate: never through the tuner, which may run a launch many times
         cfg = _only_config(kind)

@@ -30,8 +30,9 @@ import torch
 import triton
 
 from ..config import interpreting
+from . import program as _program
 
-__all__ = ["TOKEN_SIZED", "enabled", "launch", "sized", "stats"]
+__all__ = ["TOKEN_SIZED", "direct", "enabled", "launch", "sized", "stats"]
 
 # Runtime ints that follow the number of tokens: pairs, tiles, chunks, the end of a window. Triton specializes an int
 # argument on being 1 and on being divisible by 16, and compiles a kernel per pattern of those across its arguments;
@@ -75,6 +76,13 @@ class _Unkeyed(Exception):
 def enabled() -> bool:
     """Whether launches may skip Triton's binding (Triton 3.6, not interpreted)."""
     return _SUPPORTED
+
+
+def direct() -> bool:
+    """Whether a launch with a compiled specialization goes to the driver now: :func:`enabled`, and no launch hook in
+    Triton's chains (a profiler's hook must see every launch through Triton's own path)."""
+    runtime = _knobs.runtime if _SUPPORTED else None
+    return runtime is not None and not _active(runtime.launch_enter_hook) and not _active(runtime.launch_exit_hook)
 
 
 def stats() -> dict:
@@ -171,6 +179,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not enabled() or type(grid) is not tuple or _active(runtime.launch_enter_hook) \
             or _active(runtime.launch_exit_hook) or (jitted := _resolve(kernel, args, resolved)) is None:
         _STATS["slow"] += 1
+        _program.refuse("a launch through Triton's own path")
         kernel[grid](*args, **kwargs)
         return
     kernel, kwargs = jitted, resolved
@@ -181,6 +190,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         key = entry = None
     if entry is None:
         _STATS["slow"] += 1
+        _program.refuse("a first launch of a kernel's specialization (compiled or tuned), or one not keyed")
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None):
             try:
@@ -193,16 +203,17 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     stream = torch._C._cuda_getCurrentRawStream(key[1])
     gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
     if raw is None:
+        _program.refuse("a launch through the compiled kernel's launcher")
         compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                      *rest)  # no launch metadata, no hooks: none would run
         return
     run, coop, pdl, descs = raw
     full = args + rest
-    if descs:
-        full = _expand(full, descs)
     # no scratch, no launch metadata, no hooks
     run(gx, gy, gz, stream, compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None,
-        *full)
+        *(_expand(full, descs) if descs else full))
+    _program.launched(run, (gx, gy, gz), stream, compiled.function, coop, pdl, compiled.packed_metadata, full, descs,
+                      _encoded)
 
 
 # The driver-level launch (Triton 3.6's ``CudaLauncher``): ``compiled.run(...)`` allocates the kernel's scratch

@@ -27,6 +27,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from .program import host_step
 from .reference import ExpertParams
 
 __all__ = ["WeightTable", "ExpertTables", "table_of", "table_of_list", "table_of_addresses", "tables_of",
@@ -123,6 +124,7 @@ def stream_key(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@host_step  # (a replay makes the table again over its own tensors: a gradient buffer's table moves with it)
 def _strided_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
     """``[E]`` int64 addresses ``first + e * step`` on ``device``, cached per stream where :func:`cacheable`."""
     if not cacheable(device):
@@ -141,6 +143,7 @@ def _arange_ptrs(first: int, E: int, step: int, device: torch.device) -> Tensor:
     return torch.arange(first, first + E * step, step, dtype=torch.int64, device=device)
 
 
+@host_step
 def _cached_ptrs(addresses: tuple[int, ...], device: torch.device) -> Tensor:
     """``[E]`` int64 ``addresses`` on ``device``, cached by them, except while allocations come from a CUDA graph's
     pool. During a capture the graph copies them from pinned host memory at each replay, so that memory is kept

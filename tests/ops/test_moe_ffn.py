@@ -432,7 +432,7 @@ def test_kernel_options_argument_is_checked():
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     with pytest.raises(ValueError, match="kernel_options: gluon must be 1, 0, true or false, got 'maybe'"):
         torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "gluon=maybe")
-    with pytest.raises(ValueError, match="names from \\['dispatch_config', 'gluon', 'kernel_config'\\]"):
+    with pytest.raises(ValueError, match="names from \\['dispatch_config', 'gluon', 'kernel_config', 'replay'\\]"):
         torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "tma=0")
     # the PyTorch path (CPU) takes the same options: they choose among kernels, never what is computed
     y0 = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[0]
@@ -605,6 +605,49 @@ def test_cuda_float32_runs_the_kernels_without_host_sync(T, d, h, E, K, chunk_to
     for name, a, b in zip(("y", "x", "weights", "w_gate_up", "w_down"), got, want):
         rel = ((a.double() - b).norm() / b.norm()).item()
         assert rel <= 1e-4, f"{name}: relative error {rel:.3g}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("experts,chunk_tokens,ops", [("hf", None, 4), ("hf", 300, 2), ("separate", None, 4)],
+                         ids=["split-backward", "windows", "separate-weights"])
+def test_replayed_calls_match_the_orchestrated_ones(experts, chunk_tokens, ops):
+    """A call whose signature was recorded is replayed (kernels/program.py): bitwise the output and every gradient
+    of the same call orchestrated again (kernel option replay=False), over new tensors at every step (new addresses:
+    the transients, the gradient buffers' pointer tables and the descriptors over them move). One record per
+    operator at its second call, every later call replayed: the forward and the three backward operators of the split
+    backward, or the forward and the one backward operator over several slot windows. Weights cast for the call are
+    never recorded."""
+    from moeblaze_fx.kernels import program
+
+    T, d, h, E, K = 1000, 256, 256, 8, 2  # shapes the Gluon kernels take
+    _, _, _, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda")
+    weights = (wgu, wd) if experts == "hf" else ExpertParams(*[t.detach().clone().requires_grad_()
+                                                               for t in (*split_gate_up(wgu), wd)])
+    leaves = (wgu, wd) if experts == "hf" else tuple(weights)[:3]
+
+    def step(replay: bool, seed: int, weights=weights, leaves=leaves):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(T, d, device="cuda", generator=g).bfloat16().requires_grad_()
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K]
+        w = torch.rand(T, K, device="cuda", generator=g).bfloat16().requires_grad_()
+        gy = torch.randn(T, d, device="cuda", generator=g).bfloat16()
+        with moeblaze_fx.patch(kernels={"replay": replay}):
+            y = moe_ffn(x, ids, w, weights, chunk_tokens=chunk_tokens)
+        return (y, *torch.autograd.grad(y, (x, w, *leaves), gy))
+
+    step(False, 0)  # compiles every kernel: no record is refused
+    before = program.stats()
+    replayed = [step(True, seed) for seed in range(1, 5)]
+    after = program.stats()
+    assert {k: after[k] - before[k] for k in after} == {"recorded": ops, "replayed": 2 * ops, "refused": 0}
+    for seed, got in enumerate(replayed, 1):
+        for a, b in zip(got, step(False, seed)):
+            assert torch.equal(a, b)
+    cast = ExpertParams(*[t.detach().clone() for t in (*split_gate_up(wgu), wd)])  # no parameter: not recorded
+    before = program.stats()
+    step(True, 5, cast, ())
+    step(True, 6, cast, ())
+    assert program.stats() == before
 
 
 def test_importing_the_package_loads_no_benchmark_code():

@@ -38,10 +38,12 @@ def test_canonical_forms():
     assert KernelOptions(dispatch_config=("sort", 4096, 512, 4)).dispatch_config == "sort,4096,512,4"
     assert encode_kernels(KernelOptions(gluon=False, dispatch_config="sort,64,32,4")) == \
         "gluon=0;dispatch_config=sort,64,32,4"
+    assert encode_kernels(KernelOptions(replay=False)) == "replay=0"
 
 
 @pytest.mark.parametrize("change,error,match", [
     ({"gluon": 0}, TypeError, "'gluon' must be True or False"),
+    ({"replay": "yes"}, TypeError, "'replay' must be True or False"),
     ({"kernel_config": "block_m=12"}, ValueError, "block_m must be a power of two >= 16"),
     ({"kernel_config": "block_m"}, ValueError, "expected comma-separated key=value"),
     ({"kernel_config": "tile=16"}, ValueError, "unknown or no keys \\['tile'\\]"),
@@ -71,7 +73,7 @@ def test_compile_options_and_patch_take_kernel_options():
             KernelOptions(gluon=False, kernel_config="block_m=32")
     assert config.current().kernels == KernelOptions()
     with pytest.raises(ValueError, match="unknown kernel option\\(s\\) \\['tma'\\]; valid kernel options are "
-                                         "\\['gluon', 'kernel_config', 'dispatch_config'\\]"):
+                                         "\\['gluon', 'kernel_config', 'dispatch_config', 'replay'\\]"):
         config.from_options({"kernels": {"tma": False}})
     with pytest.raises(TypeError, match="option 'kernels' must be a dict of kernel options"):
         config.from_options({"kernels": "gluon=0"})

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..launch import launch, sized
+from ..program import Counter, bump
 from . import common
 from .common import GLUON
 
@@ -57,7 +58,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # BLOCK_M is the plan's row tile
 STAGES = 3  # 48 KB a stage; with the 64 KB output tile, 208 KB of shared memory
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernel
 _PRODUCER_REGS = 40
-_LAUNCHES = [0]
+_LAUNCHES = Counter()
 
 
 if GLUON:
@@ -192,7 +193,7 @@ if GLUON:
 
 def launches() -> int:
     """How many times this process has launched the kernel (for tests)."""
-    return _LAUNCHES[0]
+    return _LAUNCHES.n
 
 
 class Sm90Weights(NamedTuple):
@@ -243,5 +244,5 @@ def down_sm90(a: torch.Tensor, w: Sm90Weights, k_dim: int, n_dim: int, plan, out
         TWO_B=w.two_b, B_KMAJOR=w.kmajor, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, STAGES=STAGES,
         PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
-    _LAUNCHES[0] += 1
+    bump(_LAUNCHES)
     return out

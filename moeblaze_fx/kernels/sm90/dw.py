@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..launch import launch, sized
+from ..program import Counter, bump
 from . import common
 from .common import GLUON
 
@@ -63,8 +64,8 @@ TILE = (128, 256, 64)  # (rows of a's columns, columns of b, slots a step)
 A_STAGES, B_STAGES = 4, 3
 GROUP_M = 8
 _PRODUCER_REGS = 96
-_LAUNCHES = [0]
-_STORE_LAUNCHES = [0]  # launches whose tiles left through TMA stores
+_LAUNCHES = Counter()
+_STORE_LAUNCHES = Counter()  # launches whose tiles left through TMA stores
 
 
 if GLUON:
@@ -257,12 +258,12 @@ if GLUON:
 
 def launches() -> int:
     """How many times this process has launched the kernel (for tests)."""
-    return _LAUNCHES[0]
+    return _LAUNCHES.n
 
 
 def store_launches() -> int:
     """How many of those launches stored their tiles through TMA (for tests)."""
-    return _STORE_LAUNCHES[0]
+    return _STORE_LAUNCHES.n
 
 
 def usable(tokens: torch.Tensor, slots: torch.Tensor, out, out_align: int) -> bool:
@@ -329,5 +330,5 @@ def dw_sm90(tokens: torch.Tensor, slots: torch.Tensor, out, plan, K: int, accumu
         ACCUMULATE=accumulate, MAY_ADD=accumulate or slot0 > 0, O_COL=out.stride_c != 1, STORE_TMA=store is not None,
         GROUP_M=GROUP_M, A_STAGES=A_STAGES, B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8,
     )
-    _LAUNCHES[0] += 1
-    _STORE_LAUNCHES[0] += store is not None
+    bump(_LAUNCHES)
+    bump(_STORE_LAUNCHES, int(store is not None))

@@ -57,6 +57,7 @@ import torch
 
 from .. import act as act_math
 from ..launch import launch, sized
+from ..program import Counter, bump
 from ..reference import GATED_ACTIVATIONS
 from . import common
 from .common import GLUON
@@ -86,8 +87,8 @@ DH_BLOCK_N = 256
 A_STAGES, B_STAGES = 4, 3  # (the fused dh: 3 and 3, its A|B blocks in the fourth A stage's 16 KB)
 GROUP_M = 8  # row tiles sharing weight columns, as the Triton kernels
 _PRODUCER_REGS = 96
-_LAUNCHES = [0]
-_ACT_LAUNCHES = [0]
+_LAUNCHES = Counter()
+_ACT_LAUNCHES = Counter()
 # The activations the up kernel's and the fused dh's epilogues take: every gated one (the plain ones, without an up
 # projection, take the Triton kernels). The epilogues call the Triton kernels' own functions (``act.act_forward``,
 # ``act.act_backward``) with their ACT code.
@@ -546,7 +547,7 @@ if GLUON:
 
 def launches() -> int:
     """How many times this process has launched the kernel (for tests)."""
-    return _LAUNCHES[0]
+    return _LAUNCHES.n
 
 
 class GatherWeights(NamedTuple):
@@ -642,9 +643,9 @@ def _launch(kernel, a: torch.Tensor, w: GatherWeights, c0: torch.Tensor, c1: tor
         B_STAGES=B_STAGES, PRODUCER_REGS=_PRODUCER_REGS, PAIRS=pairs,
         num_warps=8,
     )
-    _LAUNCHES[0] += 1
+    bump(_LAUNCHES)
     if epi is not None:
-        _ACT_LAUNCHES[0] += 1
+        bump(_ACT_LAUNCHES)
 
 
 def up_sm90(x: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, window, hid: torch.Tensor,
@@ -662,7 +663,7 @@ def dh_sm90(dy: torch.Tensor, w: GatherWeights, plan, K: int, d: int, h: int, wi
 
 def act_launches() -> int:
     """How many times this process has launched the fused dh kernel (for tests)."""
-    return _ACT_LAUNCHES[0]
+    return _ACT_LAUNCHES.n
 
 
 def dh_act_usable(dy: torch.Tensor, hw: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, weights: torch.Tensor,
