@@ -48,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import config as _config
 from ..config import KernelOptions, interpreting
+from . import launch as _launch_module
 from . import program as _program
 
 __all__ = [
@@ -285,23 +286,30 @@ def _launch_key(tuned_kernel, args: tuple, constexprs: dict) -> tuple:
 def launch(kernel, tuned_kernel, kind: str, grid, *args, **constexprs):
     """Launch with the pinned / interpreter configuration when there is one, else through the autotuner: the
     first launch of each key (:func:`_launch_key`) runs ``tuned_kernel`` (tuning when its key is new), later
-    ones run ``kernel`` with the configuration it chose, the same call without the tuner's bookkeeping.
+    ones run ``kernel`` with the configuration it chose, the same call without the tuner's bookkeeping, through
+    :func:`.launch.launch` (no Triton binding once the specialization is compiled).
 
-    ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``). These launches take Triton's own
-    path, which a recorded program cannot replay (:mod:`.program`): a call making one is not recorded."""
-    _program.refuse("a launch of an autotuned Triton kernel (Triton's own path)")
+    ``grid`` is a callable of the meta-parameters (as for ``triton.autotune``)."""
     cfg = _fixed_config()
     if cfg is None:  # a kind with one candidate: never through the tuner, which may run a launch many times
         cfg = _only_config(kind)
     if cfg is not None:
         meta = cfg.meta(kind)
         fit_descriptors(args, meta)
-        return kernel[grid](*args, **constexprs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return _launch(kernel, grid, args, constexprs, dict(meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     key = _launch_key(tuned_kernel, args, constexprs)
     chosen = _CHOSEN.get(key)
     if chosen is None:
+        _program.refuse("a launch of an autotuned Triton kernel through its tuner")
         out = tuned_kernel[grid](*args, **constexprs)
         _CHOSEN[key] = tuned_kernel.best_config.all_kwargs()
         return out
     fit_descriptors(args, chosen)
-    return kernel[grid](*args, **constexprs, **chosen)
+    return _launch(kernel, grid, args, constexprs, chosen)
+
+
+def _launch(kernel, grid, args: tuple, constexprs: dict, meta: dict) -> None:
+    """``kernel[grid](*args, **constexprs, **meta)`` through :func:`.launch.launch`, the grid evaluated here (the
+    grids of these kernels read only the configuration's meta-parameters)."""
+    _launch_module.launch(kernel, tuple(grid({**constexprs, **meta})) if callable(grid) else grid, *args, **constexprs,
+                          **meta)
