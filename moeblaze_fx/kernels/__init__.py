@@ -6,5 +6,6 @@
   ``common`` (their shared device and host helpers);
 - ``sm90/``: the Gluon kernels for Hopper (``down``, ``gather``: up and dh's GEMM, ``dw``) and ``common``;
 - ``dispatch.py`` (the routing plan), ``reference.py`` (plain PyTorch ground truth), ``act.py`` (the activations'
-  arithmetic), ``tables.py`` (weight pointer tables), ``autotune.py`` and ``launch.py``.
+  arithmetic), ``tables.py`` (weight pointer tables), ``autotune.py``, ``launch.py`` and ``program.py`` (an
+  operator call replayed from the record of an earlier call with the same signature).
 """

@@ -18,6 +18,9 @@ never less: a miss only costs one ordinary launch. One of Triton's per-launch ch
 that the globals a kernel read when compiled are unchanged (the kernels here read only constants). A kernel
 with a pre-run hook, and a runtime argument passed by keyword, take Triton's path.
 
+A driver launch is also handed to :mod:`.program` (recorded where an operator call is being recorded), and a launch
+through Triton's own path refuses that record.
+
 It is used where Triton 3.6 is installed, for launches with a tuple grid and no launch hook added to Triton's
 (empty) hook chains (a profiler's hook sees every launch through Triton's own path); anywhere else it is
 ``kernel[grid](*args, **kwargs)``.
