@@ -331,16 +331,18 @@ def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequenc
     signature: ``what``, each input's shape, strides, dtype and 16-byte alignment, the parameters' addresses and the
     layout (``wkey``), the stream and device, and (through ``kernels.plan.keep``) the kernel options in force. A
     program is kept with the parameters' units (a model's weights only: see :func:`_units_key`) and goes with them.
-    Not used under the kernel option ``replay=False``, while launches take Triton's own path (a profiler's hook),
-    or while allocations come from a CUDA graph's pool."""
+    Not used under the kernel option ``replay=False``, while launches take Triton's own path (a profiler's hook;
+    under Triton's interpreter, which runs the Triton path on CPU tensors in the tests, they are recorded as Python
+    calls), or while allocations come from a CUDA graph's pool."""
     kernels = _triton_kernels()
     tables, autotune, plan, program, launch = (kernels[i] for i in (3, 4, 6, 7, 8))
-    if not autotune.options().replay or not launch.direct() or not tables.cacheable(x.device):
+    if not autotune.options().replay or not (launch.direct() or _config.interpreting()) \
+            or (x.is_cuda and not tables.cacheable(x.device)):
         return body()
-    units = _units_key((wkey, x.dtype, tables.stream_key(x.device)), params, views)
+    units = _units_key((wkey, x.dtype, tables.stream_key(x.device) if x.is_cuda else None), params, views)
     if units is None:
         return body()
-    signature = (what, torch.cuda.current_device(),
+    signature = (what, torch.cuda.current_device() if x.is_cuda else None,
                  tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs))
     return program.run(plan.keep(units, ("program", signature), x, program.Entry), inputs, body)
 

@@ -18,8 +18,8 @@ never less: a miss only costs one ordinary launch. One of Triton's per-launch ch
 that the globals a kernel read when compiled are unchanged (the kernels here read only constants). A kernel
 with a pre-run hook, and a runtime argument passed by keyword, take Triton's path.
 
-A driver launch is also handed to :mod:`.program` (recorded where an operator call is being recorded), and a launch
-through Triton's own path refuses that record.
+A driver launch is also handed to :mod:`.program` (recorded where an operator call is being recorded), as is a launch
+under Triton's interpreter (a Python call); any other launch through Triton's own path refuses that record.
 
 It is used where Triton 3.6 is installed, for launches with a tuple grid and no launch hook added to Triton's
 (empty) hook chains (a profiler's hook sees every launch through Triton's own path); anywhere else it is
@@ -182,6 +182,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not enabled() or type(grid) is not tuple or _active(runtime.launch_enter_hook) \
             or _active(runtime.launch_exit_hook) or (jitted := _resolve(kernel, args, resolved)) is None:
         _STATS["slow"] += 1
+        if interpreting() and type(grid) is tuple:  # a Python call: a program replays it as such
+            _program.interpreted(kernel, grid, args, kwargs)
+            return
         _program.refuse("a launch through Triton's own path")
         kernel[grid](*args, **kwargs)
         return

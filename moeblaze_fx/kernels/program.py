@@ -41,8 +41,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ATTEMPTS", "Counter", "Entry", "Program", "bump", "host_step", "launched", "recording", "refuse", "run",
-           "stats"]
+__all__ = ["ATTEMPTS", "Counter", "Entry", "Program", "bump", "host_step", "interpreted", "launched", "recording",
+           "refuse", "run", "stats"]
 
 ATTEMPTS = 3  # records tried per signature (a first launch of a kernel's specialization refuses one)
 _STATS = {"recorded": 0, "replayed": 0, "refused": 0}
@@ -88,6 +88,16 @@ def launched(run, grid: tuple, stream: int, function, coop, pdl, metadata, args:
         rec.launch(run, grid, stream, function, coop, pdl, metadata, args, descs, encode)
 
 
+def interpreted(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)`` under Triton's interpreter (kernels run as Python on the CPU), recorded as one
+    step where a call is being recorded: a replay makes the same call with its own tensors."""
+    rec = recording()
+    if rec is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        rec.interpreted(kernel, grid, args, kwargs)
+
+
 class Counter:
     """A count of launches of one kind (tests read them), bumped by :func:`bump`: a replay bumps it too."""
 
@@ -113,6 +123,21 @@ class _Addr:
 
     def __init__(self, slot: int, offset: int):
         self.slot, self.offset = slot, offset
+
+
+class _DescRef:
+    """A host tensor descriptor over slot ``slot``'s tensor: the same descriptor over the new call's tensor."""
+
+    __slots__ = ("slot", "cls", "fields")
+
+    def __init__(self, slot: int, cls: type, fields: dict):
+        self.slot, self.cls, self.fields = slot, cls, fields
+
+    def over(self, base: Tensor):
+        desc = object.__new__(self.cls)
+        desc.__dict__.update(self.fields)
+        desc.base = base
+        return desc
 
 
 class _Ref:
@@ -186,6 +211,15 @@ class _Recorder(TorchDispatchMode):
                     and any(type(self._address(int(v))) is _Addr for v in a.reshape(-1).tolist() if v >= _ADDRESS_MIN):
                 self.refuse("a host tensor holds an address of the call's tensors")
             return a  # a constant: a tensor from before the call (kept tables, kept descriptors' bases)
+        if isinstance(getattr(a, "base", None), Tensor):  # a host tensor descriptor
+            slot = self.slots.get(a.base)
+            if slot is None:
+                return a  # over a tensor from before the call: a constant
+            if not hasattr(a, "__dict__"):
+                self.refuse(f"a {type(a).__name__} over the call's tensors")
+                return a
+            used.add(slot)
+            return _DescRef(slot, type(a), {k: v for k, v in vars(a).items() if k != "base" and not k.startswith("_")})
         if type(a) is int and a >= _ADDRESS_MIN:
             got = self._address(a)
             if type(got) is _Addr:
@@ -266,6 +300,17 @@ class _Recorder(TorchDispatchMode):
         finally:
             self.paused -= 1
 
+    def interpreted(self, kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+        self.paused += 1  # (the interpreter's own tensor operations are the launch's, not the call's)
+        try:
+            kernel[grid](*args, **kwargs)
+            if self.why is None:
+                used: set = set()
+                args_t, kwargs_t = self._arg(tuple(args), used), self._arg(dict(kwargs), used)
+                self._step(("interpreted", kernel[grid], args_t, kwargs_t, None), used)
+        finally:
+            self.paused -= 1
+
     def program(self, result: Any) -> "Program | None":
         """The program of the recorded call returning ``result``, or None where the record was refused."""
         self.paused += 1
@@ -314,10 +359,7 @@ class _SlotDesc:
         ptr = base.data_ptr()
         got = self.kept.get(ptr)
         if got is None:
-            desc = object.__new__(self.cls)
-            desc.__dict__.update(self.fields)
-            desc.base = base
-            got = self.encode(desc, self.meta)
+            got = self.encode(_DescRef(self.slot, self.cls, self.fields).over(base), self.meta)
             if len(self.kept) >= 8:
                 self.kept.clear()
             self.kept[ptr] = got
@@ -334,6 +376,8 @@ def _filler(template: Any):
     if kind is _Addr:
         slot, offset = template.slot, template.offset
         return lambda vals: vals[slot].data_ptr() + offset
+    if kind is _DescRef:
+        return lambda vals: template.over(vals[template.slot])
     if kind is list or kind is tuple:
         fills = [(i, f) for i, f in enumerate(map(_filler, template)) if f is not None]
         if not fills:

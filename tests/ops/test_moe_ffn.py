@@ -211,6 +211,41 @@ def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(t
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("checkpoint,chunk_tokens,ops", [("activations", 0, 4), ("recompute", 0, 2),
+                                                        ("activations", 9, 2)],  # ops: the forward and the backward's
+                         ids=["split-backward", "recompute", "windows"])
+def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoint, chunk_tokens, ops):
+    """The Triton path through Triton's interpreter, its launches recorded as Python calls (kernels/program.py): a
+    signature's second call is recorded and later ones replayed, bitwise the orchestrated calls (kernel option
+    replay=False) over new tensors at every step, the gradient buffers' pointer tables and the host descriptors over
+    the call's tensors made again over each step's own. The backward operators are replayed; the forward never is
+    here: on CPU tensors the dispatch checks the ids on the host (a synchronisation), which refuses each of its
+    records. The GPU's test replays driver launches: test_replayed_calls_match_the_orchestrated_ones."""
+    from moeblaze_fx.kernels import program
+
+    T, d, h, E, K = 40, 16, 24, 4, 2
+    _, _, _, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+
+    def step(replay: bool, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, d, generator=g).requires_grad_()
+        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+        w = torch.rand(T, K, generator=g).requires_grad_()
+        gy = torch.randn(T, d, generator=g)
+        with moeblaze_fx.patch(kernels={"replay": replay}):
+            y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+        return (y, *torch.autograd.grad(y, (x, w, wgu, wd), gy))
+
+    before = program.stats()
+    replayed = [step(True, seed) for seed in range(4)]
+    after = program.stats()
+    assert {k: after[k] - before[k] for k in after} == {"recorded": ops - 1, "replayed": 2 * (ops - 1),
+                                                         "refused": program.ATTEMPTS}
+    for seed, got in enumerate(replayed):
+        for a, b in zip(got, step(False, seed)):
+            assert torch.equal(a, b)
+
+
 def _split_equals_whole(x, ids, w, params, layout, plan_len, activation="swiglu"):
     """Runs the forward (which saves a plan of ``plan_len`` tensors), then the whole backward and the three split
     operators on the same inputs; asserts they agree bitwise. Returns (dA|dB, the upstream gradient, A|B, plan)."""
