@@ -301,10 +301,11 @@ class _Recorder(TorchDispatchMode):
             self.paused -= 1
 
     def interpreted(self, kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+        outer = self.paused
         self.paused += 1  # (the interpreter's own tensor operations are the launch's, not the call's)
         try:
             kernel[grid](*args, **kwargs)
-            if self.why is None:
+            if not outer and self.why is None:
                 used: set = set()
                 args_t, kwargs_t = self._arg(tuple(args), used), self._arg(dict(kwargs), used)
                 self._step(("interpreted", kernel[grid], args_t, kwargs_t, None), used)
