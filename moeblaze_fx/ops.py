@@ -275,7 +275,7 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
     tables = kernels[3]
     if key is None or not tables.cacheable(x.device):
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E), None)
-    key = (key, x.dtype, tables.stream_key(x.device))
+    key = _kept_key(x, key)
     units = _units_key(key, params, views)
     if units is not None:
         return _KernelWeights(kernels[6].keep(units, ("tables", E), x, lambda: _tables(params, views, E)),
@@ -288,6 +288,13 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
         built = tables.ExpertTables(*[None if t is None else t if v.count > 1 else t._replace(
             dense=role_value(params, v, E, detached=True)) for t, v in zip(kept, views[:3])])
     return _KernelWeights(built, _biases(params, views, E), None)
+
+
+def _kept_key(x: Tensor, wkey: tuple) -> tuple:
+    """What kept weight tables, units and programs are keyed by: the parameters' addresses and layout (``wkey``,
+    :func:`_weights_key`), x's dtype, and the stream on CUDA (a kept tensor is read only on the stream that wrote
+    it)."""
+    return wkey, x.dtype, _triton_kernels()[3].stream_key(x.device) if x.is_cuda else None
 
 
 def _units_key(key: tuple, params: Sequence[Tensor], views: Sequence[RoleView | None]):
@@ -339,7 +346,7 @@ def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequenc
     if not autotune.options().replay or not (launch.direct() or _config.interpreting()) \
             or (x.is_cuda and not tables.cacheable(x.device)):
         return body()
-    units = _units_key((wkey, x.dtype, tables.stream_key(x.device) if x.is_cuda else None), params, views)
+    units = _units_key(_kept_key(x, wkey), params, views)
     if units is None:
         return body()
     signature = (what, torch.cuda.current_device() if x.is_cuda else None,
@@ -517,19 +524,18 @@ def _moe_ffn_backward(
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"moeblaze.moe_ffn_backward: checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
     opts = decode_kernels(kernel_options)
+    wkey = _weights_key(params, layout)
     with _using(opts, x.dtype):
         if not _use_triton(x):
             return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint,
-                                  chunk_tokens, opts)
-        wkey = _weights_key(params, layout)
+                                  chunk_tokens, opts, wkey)
         return _programmed(("moe_ffn_backward", activation, checkpoint, chunk_tokens), x, params,
                            decode_layout(layout)[1], wkey, [grad_y, x, ids, weights, *params, preact, *plan],
                            lambda: _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act,
                                                   checkpoint, chunk_tokens, opts, wkey))
 
 
-def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens, opts,
-                   wkey=None):
+def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens, opts, wkey):
     recompute = checkpoint == "recompute"
     E, views = decode_layout(layout)
     T, K = ids.shape
@@ -537,7 +543,7 @@ def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, c
         raise ValueError(f"moeblaze.moe_ffn_backward: plan must be the forward's {len(DispatchPlan._fields)} int32 "
                          f"tensors (or [] to dispatch again); got {[(tuple(t.shape), t.dtype) for t in plan]}")
     grad_y = grad_y.contiguous()
-    experts = _expert_weights(x, params, views, E, wkey or _weights_key(params, layout))
+    experts = _expert_weights(x, params, views, E, wkey)
     if isinstance(experts, _KernelWeights):
         return _kernel_backward(grad_y, x, ids, weights, experts, views, E, act, preact, recompute, plan,
                                 _once(lambda: _grad_buffers(params, views, E)), chunk_tokens, opts)

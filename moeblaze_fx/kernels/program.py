@@ -219,7 +219,8 @@ class _Recorder(TorchDispatchMode):
                 self.refuse(f"a {type(a).__name__} over the call's tensors")
                 return a
             used.add(slot)
-            return _DescRef(slot, type(a), {k: v for k, v in vars(a).items() if k != "base" and not k.startswith("_")})
+            return _DescRef(slot, type(a), {k: v for k, v in vars(a).items()  # (not launch's kept encoding)
+                                             if k != "base" and not k.startswith("_moeblaze")})
         if type(a) is int and a >= _ADDRESS_MIN:
             got = self._address(a)
             if type(got) is _Addr:
@@ -269,10 +270,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def host(self, fn, args: tuple):
+        outer = self.paused
         self.paused += 1  # what fn runs is not recorded: a replay calls fn
         try:
             out = fn(*args)
-            if self.why is None:
+            if not outer and self.why is None:
                 used: set = set()
                 args_t = self._arg(tuple(args), used)
                 self._step(("host", fn, args_t, {}, self._outputs(out, used)), used)
@@ -287,15 +289,10 @@ class _Recorder(TorchDispatchMode):
         try:
             used: set = set()
             args_t = list(self._arg(tuple(args), used))
-            for i, meta in descs:
-                desc = args[i]
-                slot = self.slots.get(desc.base)
-                if slot is None:  # over a tensor from before the call (the weights): a constant
-                    args_t[i] = _ConstDesc(encode(desc, meta))
-                else:
-                    used.add(slot)
-                    fields = {k: v for k, v in vars(desc).items() if k != "base" and not k.startswith("_moeblaze")}
-                    args_t[i] = _SlotDesc(slot, type(desc), fields, meta, encode, len(encode(desc, meta)))
+            for i, meta in descs:  # each one expanded to its encoding, as the launch expanded it
+                ref = args_t[i]
+                args_t[i] = _SlotDesc(ref, meta, encode, len(encode(args[i], meta))) if type(ref) is _DescRef \
+                    else _ConstDesc(encode(args[i], meta))  # (over a tensor from before the call: the weights)
             self._step(("launch", run, (grid, stream, function, coop, pdl, metadata), args_t, None), used)
         finally:
             self.paused -= 1
@@ -348,19 +345,20 @@ class _ConstDesc:
 
 
 class _SlotDesc:
-    """A host descriptor over a slot's tensor: made again over the new tensor, encoded once per address."""
+    """A driver launch's host descriptor over a slot's tensor (``ref``): made again over the new tensor and encoded,
+    once per address."""
 
-    __slots__ = ("slot", "cls", "fields", "meta", "encode", "size", "kept")
+    __slots__ = ("ref", "slot", "meta", "encode", "size", "kept")
 
-    def __init__(self, slot, cls, fields, meta, encode, size):
-        self.slot, self.cls, self.fields, self.meta, self.encode, self.size = slot, cls, fields, meta, encode, size
+    def __init__(self, ref: _DescRef, meta, encode, size: int):
+        self.ref, self.slot, self.meta, self.encode, self.size = ref, ref.slot, meta, encode, size
         self.kept: dict[int, list] = {}  # address -> encoding (the allocator hands the same addresses back)
 
     def encoded(self, base: Tensor) -> list:
         ptr = base.data_ptr()
         got = self.kept.get(ptr)
         if got is None:
-            got = self.encode(_DescRef(self.slot, self.cls, self.fields).over(base), self.meta)
+            got = self.encode(self.ref.over(base), self.meta)
             if len(self.kept) >= 8:
                 self.kept.clear()
             self.kept[ptr] = got
