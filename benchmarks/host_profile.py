@@ -63,13 +63,11 @@ TIMED = [
 
 
 def install_timers(stats: dict):
-    """Wrap :data:`TIMED`, the custom operators' implementations, Triton's kernel launches and Gluon's descriptor
-    constructor in timers adding into ``stats[name] = [calls, seconds]``; returns a function that undoes it."""
+    """Wrap :data:`TIMED`, the operators as called (``torch.ops.moeblaze.*``), Triton's kernel launches and Gluon's
+    descriptor constructor in timers adding into ``stats[name] = [calls, seconds]``; returns a function that undoes it."""
     import importlib
 
     import triton.runtime.jit as jit
-
-    from moeblaze_fx import ops
 
     undo = []
 
@@ -109,15 +107,11 @@ def install_timers(stats: dict):
         patch(TensorDescriptor, "from_tensor", "gluon TensorDescriptor.from_tensor")
     except ImportError:
         pass
-    for op, name in ((ops._moe_ffn, "op moe_ffn impl"), (ops._moe_ffn_backward, "op moe_ffn_backward impl"),
-                     (ops._moe_ffn_backward_act, "op moe_ffn_backward_act impl"),
-                     (ops._moe_ffn_backward_dx, "op moe_ffn_backward_dx impl"),
-                     (ops._moe_ffn_backward_dw, "op moe_ffn_backward_dw impl")):
-        fns = op._backend_fns
-        key = next(iter(fns))
-        orig = fns[key]
-        fns[key] = timed(name, orig)
-        undo.append(lambda fns=fns, key=key, orig=orig: fns.__setitem__(key, orig))
+    namespace = torch.ops.moeblaze  # the operators as called (the dispatcher's part and their implementation)
+    for name in ("moe_ffn", "moe_ffn_backward", "moe_ffn_backward_act", "moe_ffn_backward_dx", "moe_ffn_backward_dw"):
+        orig = getattr(namespace, name)
+        setattr(namespace, name, timed(f"op {name}", orig))
+        undo.append(lambda name=name, orig=orig: setattr(namespace, name, orig))
 
     def restore():
         for u in reversed(undo):

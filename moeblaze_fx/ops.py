@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from typing import NamedTuple, Sequence
 
 import torch
@@ -102,6 +103,28 @@ def _own_precision(fn):
         with torch.autocast(device, enabled=False):
             return fn(*args, **kwargs)
     return run
+
+
+# The operators are defined through torch.library.Library, not torch.library.custom_op: custom_op wraps every call
+# in Python (an autograd wrapper, a backend wrapper, an aliasing check over the outputs), about 40 us a call on an
+# H200's host against 11 us for a Library kernel (docs/host.md), four calls an operator step. The backward operators
+# have no autograd kernel (they run under no grad; :func:`_backward` refuses a double backward); the forward's
+# formula is registered with torch.library.register_autograd.
+_LIB = torch.library.Library("moeblaze", "DEF")  # noqa: TOR901 - see above
+
+
+def _operator(fn):
+    """Define ``moeblaze::<fn's name less its leading underscore>`` with the schema of fn's annotations, fn (autocast
+    off inside, :func:`_own_precision`; never traced by Dynamo) its implementation on every device."""
+    name = fn.__name__.lstrip("_")
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, torch._disable_dynamo(_own_precision(fn)), "CompositeExplicitAutograd")
+    return fn
+
+
+def _fake(name: str):
+    """Register the decorated function as ``moeblaze::<name>``'s fake (shape) implementation."""
+    return torch.library.register_fake(f"moeblaze::{name}", lib=_LIB)
 
 
 def _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens) -> tuple[int, Activation]:
@@ -330,8 +353,46 @@ def _weights_key(params: Sequence[Tensor], layout: Sequence[int]) -> tuple:
     return tuple((p.data_ptr(), p.shape, p.stride(), p.dtype, p.device) for p in params), tuple(layout)
 
 
+# Programs by everything their signature holds (:func:`_replay_key`), weakly: a call with a recorded program goes to
+# its replay before any of the operator's own Python (its checks, the layout's decoding, the weights' key, the
+# programs' own lookup by the parameters' units: about 0.7 ms of the 3.9 ms an eager operator step took to enqueue at
+# (8192, 1024, 512, 64, 8), beside 1.0 ms in the replays themselves; H200, docs/host.md). The program itself is kept
+# with the parameters' units (``_programmed``), so an entry here goes with them.
+_REPLAYS: dict = {}
+
+
+def _replay_key(what: tuple, x: Tensor, kernel_options: str, layout: Sequence[int], params: Sequence[Tensor],
+                inputs: Sequence[Tensor]) -> tuple:
+    """Everything an operator call's program is recorded under (see :func:`_programmed`): ``what`` (the operator and
+    its non-tensor arguments), the kernel options, the layout, each input's shape, strides, dtype and 16-byte
+    alignment, the parameters' addresses, x's device, the stream, and the dh kernel's split."""
+    kernels = _triton_kernels()
+    return (what, kernel_options, tuple(layout), x.device,
+            kernels[3].stream_key(x.device) if x.is_cuda else None, kernels[6].tdh.DH_SPLIT,
+            tuple([p.data_ptr() for p in params]),
+            tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs]))
+
+
+def _replayed(what: tuple, x: Tensor, kernel_options: str, layout: Sequence[int], params: Sequence[Tensor],
+              inputs: list[Tensor]) -> tuple:
+    """(the call's :func:`_replay_key`, the replay of the program recorded under it with ``inputs``, or None where
+    none is kept or replays may not run now)."""
+    key = _replay_key(what, x, kernel_options, layout, params, inputs)
+    ref = _REPLAYS.get(key)
+    entry = ref() if ref is not None else None
+    if entry is None or not _replays_allowed(x):
+        return key, None
+    return key, _triton_kernels()[7].run(entry, inputs, None)
+
+
+def _replays_allowed(x: Tensor) -> bool:
+    """Whether programs may be recorded and replayed for a call on ``x`` now (see :func:`_programmed`)."""
+    kernels = _triton_kernels()
+    return (kernels[8].direct() or _config.interpreting()) and (not x.is_cuda or kernels[3].cacheable(x.device))
+
+
 def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], wkey: tuple,
-                inputs: list[Tensor], body):
+                inputs: list[Tensor], body, key: tuple):
     """``body()``, a Triton-path call of an operator (``what``: its name and the non-tensor arguments the
     signature does not already hold) whose tensor arguments are ``inputs``, through its recorded launch program
     (``kernels.program``): recorded, or replayed from the record of an earlier call with the same signature. The
@@ -340,18 +401,22 @@ def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequenc
     program is kept with the parameters' units (a model's weights only: see :func:`_units_key`) and goes with them.
     Not used under the kernel option ``replay=False``, while launches take Triton's own path (a profiler's hook;
     under Triton's interpreter, which runs the Triton path on CPU tensors in the tests, they are recorded as Python
-    calls), or while allocations come from a CUDA graph's pool."""
+    calls), or while allocations come from a CUDA graph's pool. ``key``: the call's :func:`_replay_key`, under which
+    a recorded program is found again by :func:`_replayed`."""
     kernels = _triton_kernels()
-    tables, autotune, plan, program, launch = (kernels[i] for i in (3, 4, 6, 7, 8))
-    if not autotune.options().replay or not (launch.direct() or _config.interpreting()) \
-            or (x.is_cuda and not tables.cacheable(x.device)):
+    autotune, plan, program = (kernels[i] for i in (4, 6, 7))
+    if not autotune.options().replay or not _replays_allowed(x):
         return body()
     units = _units_key(_kept_key(x, wkey), params, views)
     if units is None:
         return body()
     signature = (what, torch.cuda.current_device() if x.is_cuda else None,
                  tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs))
-    return program.run(plan.keep(units, ("program", signature), x, program.Entry), inputs, body)
+    entry = plan.keep(units, ("program", signature), x, program.Entry)
+    result = program.run(entry, inputs, body)
+    if entry.program is not None:
+        _remember(_REPLAYS, key, weakref.ref(entry))
+    return result
 
 
 def _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey) -> tuple[int, Activation]:
@@ -377,8 +442,7 @@ def _forward_chunk(x, ids, weights, experts, E, act, save_preact, opts, out=None
     return y, preact
 
 
-@torch.library.custom_op("moeblaze::moe_ffn", mutates_args=())
-@_own_precision
+@_operator
 def _moe_ffn(
     x: Tensor,
     ids: Tensor,
@@ -390,16 +454,20 @@ def _moe_ffn(
     chunk_tokens: int,
     kernel_options: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    if _use_triton(x):
+        what, inputs = ("moe_ffn", activation, checkpoint, chunk_tokens), [x, ids, weights, *params]
+        key, replayed = _replayed(what, x, kernel_options, layout, params, inputs)
+        if replayed is not None:
+            return replayed
     wkey = _weights_key(params, layout)
     h, act = _checked(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, wkey)
     opts = decode_kernels(kernel_options)
     with _using(opts, x.dtype):
         if not _use_triton(x):
             return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
-        return _programmed(("moe_ffn", activation, checkpoint, chunk_tokens), x, params, decode_layout(layout)[1],
-                           wkey, [x, ids, weights, *params],
+        return _programmed(what, x, params, decode_layout(layout)[1], wkey, inputs,
                            lambda: _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts,
-                                            wkey))
+                                            wkey), key)
 
 
 def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey):
@@ -425,7 +493,7 @@ def _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, 
     return y, preact, []
 
 
-@_moe_ffn.register_fake
+@_fake("moe_ffn")
 def _moe_ffn_fake(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens, kernel_options=""):
     h, act = _check_inputs(x, ids, weights, params, layout, activation, checkpoint, chunk_tokens)
     opts = decode_kernels(kernel_options)
@@ -504,8 +572,7 @@ def _backward_chunk(grad_y, x, ids, weights, experts, views, E, act, preact, rec
     return dx, dweights
 
 
-@torch.library.custom_op("moeblaze::moe_ffn_backward", mutates_args=())
-@_own_precision
+@_operator
 def _moe_ffn_backward(
     grad_y: Tensor,
     x: Tensor,
@@ -520,6 +587,12 @@ def _moe_ffn_backward(
     chunk_tokens: int,
     kernel_options: str = "",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    if _use_triton(x):
+        what = ("moe_ffn_backward", activation, checkpoint, chunk_tokens)
+        inputs = [grad_y, x, ids, weights, *params, preact, *plan]
+        key, replayed = _replayed(what, x, kernel_options, layout, params, inputs)
+        if replayed is not None:
+            return replayed
     act = parse_activation(activation)
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"moeblaze.moe_ffn_backward: checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
@@ -529,10 +602,9 @@ def _moe_ffn_backward(
         if not _use_triton(x):
             return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint,
                                   chunk_tokens, opts, wkey)
-        return _programmed(("moe_ffn_backward", activation, checkpoint, chunk_tokens), x, params,
-                           decode_layout(layout)[1], wkey, [grad_y, x, ids, weights, *params, preact, *plan],
+        return _programmed(what, x, params, decode_layout(layout)[1], wkey, inputs,
                            lambda: _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act,
-                                                  checkpoint, chunk_tokens, opts, wkey))
+                                                  checkpoint, chunk_tokens, opts, wkey), key)
 
 
 def _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint, chunk_tokens, opts, wkey):
@@ -626,7 +698,7 @@ def _fake_grads(params: Sequence[Tensor], groups: Sequence[tuple[int, int]]) -> 
     return grads
 
 
-@_moe_ffn_backward.register_fake
+@_fake("moe_ffn_backward")
 def _moe_ffn_backward_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, checkpoint,
                            chunk_tokens, kernel_options=""):
     decode_kernels(kernel_options)  # (validates it)
@@ -726,8 +798,7 @@ def _role_view(bufs, v, E, role):
     return view[..., 0] if role.endswith("bias") else view
 
 
-@torch.library.custom_op("moeblaze::moe_ffn_backward_act", mutates_args=())
-@_own_precision
+@_operator
 def _moe_ffn_backward_act(
     grad_y: Tensor,
     x: Tensor,
@@ -743,6 +814,11 @@ def _moe_ffn_backward_act(
     """The split backward's first operator ("activations", one window): (dA|dB [T*K, width] in slot order, its rows
     of unrouted pairs' slots left unwritten on the Triton path, zero on the CPU; dweights; the gradients of the down
     side's groups)."""
+    if _use_triton(x):
+        what, inputs = ("moe_ffn_backward_act", activation), [grad_y, x, ids, weights, *params, preact, *plan]
+        key, replayed = _replayed(what, x, kernel_options, layout, params, inputs)
+        if replayed is not None:
+            return replayed
     E, views, opts, (down_side, _), path = _split_call("moe_ffn_backward_act", x, params, layout, plan,
                                                        kernel_options)
     act = parse_activation(activation)
@@ -757,11 +833,10 @@ def _moe_ffn_backward_act(
         return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, act, preact, False, plan,
                                 bufs, 0, opts, "act")
     with _using(opts, x.dtype):
-        return _programmed(("moe_ffn_backward_act", activation), x, params, views, wkey,
-                           [grad_y, x, ids, weights, *params, preact, *plan], body)
+        return _programmed(what, x, params, views, wkey, inputs, body, key)
 
 
-@_moe_ffn_backward_act.register_fake
+@_fake("moe_ffn_backward_act")
 def _moe_ffn_backward_act_fake(grad_y, x, ids, weights, params, layout, preact, plan, activation, kernel_options=""):
     E, views, _, (down_side, _), _ = _split_call("moe_ffn_backward_act", x, params, layout, plan, kernel_options)
     return preact.new_empty(preact.shape), torch.empty_like(weights), _fake_grads(params, down_side)
@@ -781,6 +856,11 @@ def _from_dpre(phase, dpre, x, ids, weights, params, layout, plan, activation, k
     """The split backward's second or third operator (``phase`` "dx" or "dw"), from the first one's dA|dB: the
     (dx or None, None, the gate side's gradients, none for "dx") of :func:`_torch_phase` / :func:`_kernel_backward`."""
     name = f"moe_ffn_backward_{phase}"
+    if _use_triton(x):
+        what, inputs = (name, activation), [dpre, x, ids, weights, *params, *plan]
+        key, replayed = _replayed(what, x, kernel_options, layout, params, inputs)
+        if replayed is not None:
+            return replayed
     E, views, opts, (_, gate_side), path = _split_call(name, x, params, layout, plan, kernel_options)
     _check_dpre(name, dpre, x, ids, views, activation)
     groups = gate_side if phase == "dw" else []
@@ -795,7 +875,7 @@ def _from_dpre(phase, dpre, x, ids, weights, params, layout, plan, activation, k
         return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
                                 phase, dpre)
     with _using(opts, x.dtype):
-        return _programmed((name, activation), x, params, views, wkey, [dpre, x, ids, weights, *params, *plan], body)
+        return _programmed(what, x, params, views, wkey, inputs, body, key)
 
 
 def _from_dpre_fake(phase, dpre, x, ids, params, layout, plan, activation, kernel_options):
@@ -806,8 +886,7 @@ def _from_dpre_fake(phase, dpre, x, ids, params, layout, plan, activation, kerne
     return gate_side
 
 
-@torch.library.custom_op("moeblaze::moe_ffn_backward_dx", mutates_args=())
-@_own_precision
+@_operator
 def _moe_ffn_backward_dx(
     dpre: Tensor,
     x: Tensor,
@@ -823,14 +902,13 @@ def _moe_ffn_backward_dx(
     return _from_dpre("dx", dpre, x, ids, weights, params, layout, plan, activation, kernel_options)[0]
 
 
-@_moe_ffn_backward_dx.register_fake
+@_fake("moe_ffn_backward_dx")
 def _moe_ffn_backward_dx_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
     _from_dpre_fake("dx", dpre, x, ids, params, layout, plan, activation, kernel_options)
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("moeblaze::moe_ffn_backward_dw", mutates_args=())
-@_own_precision
+@_operator
 def _moe_ffn_backward_dw(
     dpre: Tensor,
     x: Tensor,
@@ -847,7 +925,7 @@ def _moe_ffn_backward_dw(
     return _from_dpre("dw", dpre, x, ids, weights, params, layout, plan, activation, kernel_options)[2]
 
 
-@_moe_ffn_backward_dw.register_fake
+@_fake("moe_ffn_backward_dw")
 def _moe_ffn_backward_dw_fake(dpre, x, ids, weights, params, layout, plan, activation, kernel_options=""):
     return _fake_grads(params, _from_dpre_fake("dw", dpre, x, ids, params, layout, plan, activation, kernel_options))
 
@@ -865,7 +943,35 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """The operator's gradients, as views whose backward refuses: the backward operators have no derivative.
+    ``anchor``: a tensor of the call requiring grad, so that the views do."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("moeblaze.moe_ffn: its gradients are not differentiable (no double backward); "
+                           "differentiate the model without torch.compile's backend='moeblaze' for that")
+
+
 def _backward(ctx, grad_y, _grad_preact, _grad_plan):
+    if not torch.is_grad_enabled():  # the usual case (create_graph=False)
+        return _gradients(ctx, grad_y)
+    anchor = next((t for t in (grad_y, *ctx.saved_tensors) if t is not None and t.requires_grad), None)
+    with torch.no_grad():  # (create_graph=True) the backward operators run as usual, their outputs marked
+        dx, none, dweights, dparams, *rest = _gradients(ctx, grad_y)
+    if anchor is None:
+        return (dx, none, dweights, dparams, *rest)
+    present = [g for g in (dx, dweights, *dparams) if g is not None]
+    marked = iter(_FirstOrderOnly.apply(anchor, *present))
+    dx, dweights = (None if g is None else next(marked) for g in (dx, dweights))
+    return (dx, none, dweights, [None if g is None else next(marked) for g in dparams], *rest)
+
+
+def _gradients(ctx, grad_y):
     x, ids, weights, preact, *rest = ctx.saved_tensors
     plan, params = rest[:ctx.plan_len], rest[ctx.plan_len:]
     if grad_y is None:  # y did not reach what is differentiated (gradients are not materialized: see above)
@@ -895,7 +1001,7 @@ def _backward(ctx, grad_y, _grad_preact, _grad_plan):
     return grads[:len(ctx.needs_input_grad)]
 
 
-_moe_ffn.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("moeblaze::moe_ffn", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 def _hf_experts(experts, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -214,13 +214,16 @@ def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(t
 @pytest.mark.parametrize("checkpoint,chunk_tokens,ops", [("activations", 0, 4), ("recompute", 0, 2),
                                                         ("activations", 9, 2)],  # ops: the forward and the backward's
                          ids=["split-backward", "recompute", "windows"])
-def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoint, chunk_tokens, ops):
+def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoint, chunk_tokens, ops, monkeypatch):
     """The Triton path through Triton's interpreter, its launches recorded as Python calls (kernels/program.py): a
     signature's second call is recorded and later ones replayed, bitwise the orchestrated calls (kernel option
     replay=False) over new tensors at every step, the gradient buffers' pointer tables and the host descriptors over
     the call's tensors made again over each step's own. The backward operators are replayed; the forward never is
     here: on CPU tensors the dispatch checks the ids on the host (a synchronisation), which refuses each of its
-    records. The GPU's test replays driver launches: test_replayed_calls_match_the_orchestrated_ones."""
+    records. A replayed call goes to its program before any of the operator's own Python (ops._replayed): the
+    weights' key is made only by calls that are not replayed. The GPU's test replays driver launches:
+    test_replayed_calls_match_the_orchestrated_ones."""
+    from moeblaze_fx import ops as ops_module
     from moeblaze_fx.kernels import program
 
     T, d, h, E, K = 40, 16, 24, 4, 2
@@ -236,11 +239,15 @@ def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoin
             y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
         return (y, *torch.autograd.grad(y, (x, w, wgu, wd), gy))
 
+    keys = []
+    weights_key = ops_module._weights_key
+    monkeypatch.setattr(ops_module, "_weights_key", lambda *a: keys.append(1) or weights_key(*a))
     before = program.stats()
     replayed = [step(True, seed) for seed in range(4)]
     after = program.stats()
     assert {k: after[k] - before[k] for k in after} == {"recorded": ops - 1, "replayed": 2 * (ops - 1),
                                                          "refused": program.ATTEMPTS}
+    assert len(keys) == 4 + 2 * (ops - 1)  # each forward; each backward operator's first and recorded calls
     for seed, got in enumerate(replayed):
         for a, b in zip(got, step(False, seed)):
             assert torch.equal(a, b)
@@ -557,6 +564,23 @@ def test_backward_with_no_gradient_for_y():
     dx, dw, dwgu, dwd = torch.autograd.grad(_NoGrad.apply(y).sum() + x.sum(), (x, w, wgu, wd))
     assert torch.equal(dx, torch.ones_like(x))
     assert not dw.any() and not dwgu.any() and not dwd.any()
+
+
+@pytest.mark.parametrize("checkpoint,chunk_tokens", [("activations", 0), ("recompute", 0), ("activations", 5)],
+                         ids=["split-backward", "recompute", "chunks"])
+def test_gradients_with_create_graph_equal_the_plain_ones_and_refuse_a_second_derivative(checkpoint, chunk_tokens):
+    # The backward operators have no derivative: a first-order backward under create_graph=True gives the plain
+    # gradients, and differentiating them again is an error naming why, never a silent zero.
+    x, ids, w, wgu, wd = _inputs(12, 8, 6, 4, 2)
+    y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+    g = torch.randn_like(y)
+    plain = torch.autograd.grad(y, (x, w, wgu, wd), g, retain_graph=True)
+    graphed = torch.autograd.grad(y, (x, w, wgu, wd), g, create_graph=True)
+    for a, b in zip(graphed, plain):
+        assert a.requires_grad
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="its gradients are not differentiable"):
+        torch.autograd.grad(sum(t.sum() for t in graphed), (x, w, wgu, wd))
 
 
 @pytest.mark.parametrize(
