@@ -226,3 +226,34 @@ def test_a_refused_record_keeps_the_calls_result():
     for _ in range(2):
         torch.testing.assert_close(program.run(entry, [x], body), x * 3)
     assert program.recording() is None and entry.attempts == 1
+
+
+@pytest.mark.parametrize("case", ["empty", "new_empty", "empty_strided", "zeros", "as_strided", "pinned", "channels_last"])
+def test_allocations_and_views_replay_through_the_python_bindings_as_recorded(case):
+    """A replay calls PyTorch's Python bindings for the allocations and as_strided it recorded (program._fast_op),
+    with the recorded dtype, device, shape and strides; a factory asking for anything more (pinned memory, another
+    memory format) stays the recorded operator."""
+    aten = torch.ops.aten
+    base = torch.randn(6, 4, dtype=torch.float64)
+    calls = {
+        "empty": (aten.empty.memory_format, ([3, 5],), {"dtype": torch.float16, "device": torch.device("cpu")}),
+        "new_empty": (aten.new_empty.default, (base, [2, 7]), {"dtype": torch.int32, "layout": torch.strided,
+                                                               "pin_memory": False}),
+        "empty_strided": (aten.empty_strided.default, ([4, 3], [1, 4]), {"dtype": torch.float32}),
+        "zeros": (aten.zeros.default, ([5, 2],), {"dtype": torch.int64, "device": torch.device("cpu")}),
+        "as_strided": (aten.as_strided.default, (base, [3, 2], [4, 2], 5), {}),
+        "pinned": (aten.empty.memory_format, ([3],), {"dtype": torch.float32, "pin_memory": True}),
+        "channels_last": (aten.empty.memory_format, ([2, 3, 4, 5],), {"memory_format": torch.channels_last}),
+    }
+    fn, args, kwargs = calls[case]
+    fast, fast_kwargs = program._fast_op(fn, kwargs)
+    assert (fast is fn) == (case in ("pinned", "channels_last"))
+    if case == "pinned":
+        return  # (pinning needs an accelerator: only the choice is checked)
+    got, want = fast(*args, **fast_kwargs), fn(*args, **kwargs)
+    assert (got.shape, got.stride(), got.dtype, got.device, got.storage_offset()) == \
+        (want.shape, want.stride(), want.dtype, want.device, want.storage_offset())
+    if case == "zeros":
+        assert not got.any()
+    if case == "as_strided":
+        assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and torch.equal(got, want)
