@@ -953,8 +953,8 @@ class _FirstOrderOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *_):
-        raise RuntimeError("moeblaze.moe_ffn: its gradients are not differentiable (no double backward); "
-                           "differentiate the model without torch.compile's backend='moeblaze' for that")
+        raise RuntimeError("moeblaze.moe_ffn: its gradients are not differentiable (no double backward); a second "
+                           "derivative needs the model without the MoEBlaze operator (without backend='moeblaze')")
 
 
 def _backward(ctx, grad_y, _grad_preact, _grad_plan):
