@@ -365,10 +365,11 @@ def _replay_key(what: tuple, x: Tensor, kernel_options: str, layout: Sequence[in
                 inputs: Sequence[Tensor]) -> tuple:
     """Everything an operator call's program is recorded under (see :func:`_programmed`): ``what`` (the operator and
     its non-tensor arguments), the kernel options, the layout, each input's shape, strides, dtype and 16-byte
-    alignment, the parameters' addresses, x's device, the stream, and the dh kernel's split."""
+    alignment, the parameters' addresses, x's device, the current device and stream, and the dh kernel's split."""
     kernels = _triton_kernels()
-    return (what, kernel_options, tuple(layout), x.device,
-            kernels[3].stream_key(x.device) if x.is_cuda else None, kernels[6].tdh.DH_SPLIT,
+    cuda = x.is_cuda
+    return (what, kernel_options, tuple(layout), x.device, torch.cuda.current_device() if cuda else None,
+            kernels[3].stream_key(x.device) if cuda else None, kernels[6].tdh.DH_SPLIT,
             tuple([p.data_ptr() for p in params]),
             tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs]))
 
@@ -391,18 +392,15 @@ def _replays_allowed(x: Tensor) -> bool:
     return (kernels[8].direct() or _config.interpreting()) and (not x.is_cuda or kernels[3].cacheable(x.device))
 
 
-def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], wkey: tuple,
+def _programmed(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | None], wkey: tuple,
                 inputs: list[Tensor], body, key: tuple):
-    """``body()``, a Triton-path call of an operator (``what``: its name and the non-tensor arguments the
-    signature does not already hold) whose tensor arguments are ``inputs``, through its recorded launch program
-    (``kernels.program``): recorded, or replayed from the record of an earlier call with the same signature. The
-    signature: ``what``, each input's shape, strides, dtype and 16-byte alignment, the parameters' addresses and the
-    layout (``wkey``), the stream and device, and (through ``kernels.plan.keep``) the kernel options in force. A
-    program is kept with the parameters' units (a model's weights only: see :func:`_units_key`) and goes with them.
-    Not used under the kernel option ``replay=False``, while launches take Triton's own path (a profiler's hook;
-    under Triton's interpreter, which runs the Triton path on CPU tensors in the tests, they are recorded as Python
-    calls), or while allocations come from a CUDA graph's pool. ``key``: the call's :func:`_replay_key`, under which
-    a recorded program is found again by :func:`_replayed`."""
+    """``body()``, a Triton-path call of an operator whose tensor arguments are ``inputs``, through its recorded launch
+    program (``kernels.program``): recorded, or replayed from the record of an earlier call with the same signature
+    ``key`` (its :func:`_replay_key`, under which :func:`_replayed` finds the program again; ``kernels.plan.keep`` adds
+    the kernel options in force). A program is kept with the parameters' units (a model's weights only: see
+    :func:`_units_key`) and goes with them. Not used under the kernel option ``replay=False``, while launches take
+    Triton's own path (a profiler's hook; under Triton's interpreter, which runs the Triton path on CPU tensors in the
+    tests, they are recorded as Python calls), or while allocations come from a CUDA graph's pool."""
     kernels = _triton_kernels()
     autotune, plan, program = (kernels[i] for i in (4, 6, 7))
     if not autotune.options().replay or not _replays_allowed(x):
@@ -410,9 +408,7 @@ def _programmed(what: tuple, x: Tensor, params: Sequence[Tensor], views: Sequenc
     units = _units_key(_kept_key(x, wkey), params, views)
     if units is None:
         return body()
-    signature = (what, torch.cuda.current_device() if x.is_cuda else None,
-                 tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs))
-    entry = plan.keep(units, ("program", signature), x, program.Entry)
+    entry = plan.keep(units, ("program", key), x, program.Entry)
     result = program.run(entry, inputs, body)
     if entry.program is not None:
         _remember(_REPLAYS, key, weakref.ref(entry))
@@ -465,7 +461,7 @@ def _moe_ffn(
     with _using(opts, x.dtype):
         if not _use_triton(x):
             return _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts, wkey)
-        return _programmed(what, x, params, decode_layout(layout)[1], wkey, inputs,
+        return _programmed(x, params, decode_layout(layout)[1], wkey, inputs,
                            lambda: _forward(x, ids, weights, params, layout, act, checkpoint, chunk_tokens, h, opts,
                                             wkey), key)
 
@@ -602,7 +598,7 @@ def _moe_ffn_backward(
         if not _use_triton(x):
             return _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act, checkpoint,
                                   chunk_tokens, opts, wkey)
-        return _programmed(what, x, params, decode_layout(layout)[1], wkey, inputs,
+        return _programmed(x, params, decode_layout(layout)[1], wkey, inputs,
                            lambda: _backward_impl(grad_y, x, ids, weights, params, layout, preact, plan, act,
                                                   checkpoint, chunk_tokens, opts, wkey), key)
 
@@ -833,7 +829,7 @@ def _moe_ffn_backward_act(
         return _kernel_backward(grad_y.contiguous(), x, ids, weights, experts, views, E, act, preact, False, plan,
                                 bufs, 0, opts, "act")
     with _using(opts, x.dtype):
-        return _programmed(what, x, params, views, wkey, inputs, body, key)
+        return _programmed(x, params, views, wkey, inputs, body, key)
 
 
 @_fake("moe_ffn_backward_act")
@@ -875,7 +871,7 @@ def _from_dpre(phase, dpre, x, ids, weights, params, layout, plan, activation, k
         return _kernel_backward(None, x, ids, weights, experts, views, E, act, None, False, plan, bufs, 0, opts,
                                 phase, dpre)
     with _using(opts, x.dtype):
-        return _programmed(what, x, params, views, wkey, inputs, body, key)
+        return _programmed(x, params, views, wkey, inputs, body, key)
 
 
 def _from_dpre_fake(phase, dpre, x, ids, params, layout, plan, activation, kernel_options):

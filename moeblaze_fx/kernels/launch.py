@@ -177,10 +177,8 @@ def _active(hook) -> bool:
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` (a ``triton.jit`` or ``gluon.jit`` function, a tuple grid), without
     Triton's binding once this specialization has been launched before (see the module doc)."""
-    runtime = _knobs.runtime if _knobs is not None else None
     resolved = dict(kwargs)  # with the heuristics' values: they are keyed like any constexpr
-    if not enabled() or type(grid) is not tuple or _active(runtime.launch_enter_hook) \
-            or _active(runtime.launch_exit_hook) or (jitted := _resolve(kernel, args, resolved)) is None:
+    if not direct() or type(grid) is not tuple or (jitted := _resolve(kernel, args, resolved)) is None:
         _STATS["slow"] += 1
         if interpreting() and type(grid) is tuple:  # a Python call: a program replays it as such
             _program.interpreted(kernel, grid, args, kwargs)
