@@ -296,7 +296,10 @@ def _expert_weights(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleVie
         return dense_experts(params, views, E)
     kernels = _triton_kernels()
     tables = kernels[3]
-    if key is None or not tables.cacheable(x.device):
+    if key is None or not tables.cacheable(x.device) or (kernels[7].recording() is not None and
+                                                         not _models_weights(params)):
+        # (a call recorded for weights made for it is replayed over other weights: its tables are made in the call,
+        # as host steps a replay makes again over the new weights, never taken from a cache)
         return _KernelWeights(_tables(params, views, E), _biases(params, views, E), None)
     key = _kept_key(x, key)
     units = _units_key(key, params, views)
@@ -323,13 +326,20 @@ def _kept_key(x: Tensor, wkey: tuple) -> tuple:
 def _units_key(key: tuple, params: Sequence[Tensor], views: Sequence[RoleView | None]):
     """The ``kernels.plan.UnitsKey`` the kernels' plans keep their weight units under (``key``: the parameters'
     addresses and layout, the dtype and stream), owned by the parameters holding whole roles; None where those are
-    not a model's weights (neither parameters nor requiring grad: weights cast for this call under autocast, new
-    tensors at every call, for which keeping would only make and drop the units each time)."""
+    not a model's weights (:func:`_models_weights`: weights cast for this call under autocast, new tensors at every
+    call, for which keeping would only make and drop the units each time)."""
     # (one entry per tensor: a tensor hashes by identity)
     owners = tuple(dict.fromkeys(params[v.first] for v in views[:3] if v is not None and v.count == 1)) or (params[0],)
-    if not all(o.requires_grad or isinstance(o, torch.nn.Parameter) for o in owners):
+    if not _models_weights(owners):
         return None
     return _triton_kernels()[6].UnitsKey(key, owners)
+
+
+def _models_weights(params: Sequence[Tensor]) -> bool:
+    """Whether every one of ``params`` is a model's weight, alive from call to call at its address: a parameter, or a
+    leaf requiring grad. Not one made for the call: a weight cast under autocast or in the forward (a new tensor at
+    every call; in a compiled graph it requires no grad, eagerly it has the cast's grad_fn)."""
+    return all(isinstance(p, torch.nn.Parameter) or (p.requires_grad and p.grad_fn is None) for p in params)
 
 
 # An operator step makes four calls (the forward and the three backward operators), and each checked its arguments
@@ -357,21 +367,24 @@ def _weights_key(params: Sequence[Tensor], layout: Sequence[int]) -> tuple:
 # its replay before any of the operator's own Python (its checks, the layout's decoding, the weights' key, the
 # programs' own lookup by the parameters' units: about 0.7 ms of the 3.9 ms an eager operator step took to enqueue at
 # (8192, 1024, 512, 64, 8), beside 1.0 ms in the replays themselves; H200, docs/host.md). The program itself is kept
-# with the parameters' units (``_programmed``), so an entry here goes with them.
+# with the parameters' units (``_programmed``), so an entry here goes with them; a program over weights made for the
+# call (no address in its key) is kept in ``_UNOWNED``.
 _REPLAYS: dict = {}
+_UNOWNED: dict = {}  # program.Entry by _replay_key, for weights that are not a model's (see _programmed)
 
 
 def _replay_key(what: tuple, x: Tensor, kernel_options: str, layout: Sequence[int], params: Sequence[Tensor],
                 inputs: Sequence[Tensor]) -> tuple:
     """Everything an operator call's program is recorded under (see :func:`_programmed`): ``what`` (the operator and
     its non-tensor arguments), the kernel options, the layout, each input's shape, strides, dtype and 16-byte
-    alignment, the parameters' addresses, x's device, the current device and stream, and the dh kernel's split."""
+    alignment, x's device, the current device and stream, the dh kernel's split, and last the parameters' addresses
+    where they are a model's weights (:func:`_models_weights`; None for weights made for the call)."""
     kernels = _triton_kernels()
     cuda = x.is_cuda
     return (what, kernel_options, tuple(layout), x.device, torch.cuda.current_device() if cuda else None,
             kernels[3].stream_key(x.device) if cuda else None, kernels[6].tdh.DH_SPLIT,
-            tuple([p.data_ptr() for p in params]),
-            tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs]))
+            tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs]),
+            tuple([p.data_ptr() for p in params]) if _models_weights(params) else None)
 
 
 def _replayed(what: tuple, x: Tensor, kernel_options: str, layout: Sequence[int], params: Sequence[Tensor],
@@ -397,18 +410,22 @@ def _programmed(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | 
     """``body()``, a Triton-path call of an operator whose tensor arguments are ``inputs``, through its recorded launch
     program (``kernels.program``): recorded, or replayed from the record of an earlier call with the same signature
     ``key`` (its :func:`_replay_key`, under which :func:`_replayed` finds the program again; ``kernels.plan.keep`` adds
-    the kernel options in force). A program is kept with the parameters' units (a model's weights only: see
-    :func:`_units_key`) and goes with them. Not used under the kernel option ``replay=False``, while launches take
-    Triton's own path (a profiler's hook; under Triton's interpreter, which runs the Triton path on CPU tensors in the
-    tests, they are recorded as Python calls), or while allocations come from a CUDA graph's pool."""
+    the kernel options in force). Over a model's weights (:func:`_models_weights`) the key holds their addresses,
+    the program holds their tables and descriptors as constants, and it is kept with the parameters' units and goes
+    with them. Over weights made for the call (cast under autocast or in the forward: new tensors, maybe at new
+    addresses, at every call) the key holds none, the recorded call makes its tables and descriptors over them (host
+    steps and descriptors a replay makes again over the new weights: :func:`_expert_weights`), and the program is kept
+    in a bounded table. Not used under the kernel option ``replay=False``, while launches take Triton's own path (a
+    profiler's hook; under Triton's interpreter, which runs the Triton path on CPU tensors in the tests, they are
+    recorded as Python calls), or while allocations come from a CUDA graph's pool."""
     kernels = _triton_kernels()
     autotune, plan, program = (kernels[i] for i in (4, 6, 7))
     if not autotune.options().replay or not _replays_allowed(x):
         return body()
-    units = _units_key(_kept_key(x, wkey), params, views)
-    if units is None:
-        return body()
-    entry = plan.keep(units, ("program", key), x, program.Entry)
+    if not _models_weights(params):
+        entry = _UNOWNED.get(key) or _remember(_UNOWNED, key, program.Entry())
+    else:  # (kept by the signature less the addresses: parameters that moved replace their program, see plan.keep)
+        entry = plan.keep(_units_key(_kept_key(x, wkey), params, views), ("program", key[:-1]), x, program.Entry)
     result = program.run(entry, inputs, body)
     if entry.program is not None:
         _remember(_REPLAYS, key, weakref.ref(entry))

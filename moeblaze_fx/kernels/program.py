@@ -27,7 +27,8 @@ anything in it could differ from call to call without the signature showing it: 
 key), an operation returning anything but tensors (``.item()``), a host tensor holding an address of the call's
 tensors, or two of the call's tensor arguments overlapping. The caller keys programs by everything the
 orchestration reads (``ops._programmed``) and keeps them with the parameters' units (:func:`.plan.keep`), so a
-program goes with its parameters.
+program goes with its parameters. For weights made for the call (cast under autocast) the caller keys no address
+and makes the weights' tables and descriptors inside the recorded call, so that they are slots, not constants.
 """
 from __future__ import annotations
 
@@ -352,14 +353,16 @@ class _SlotDesc:
 
     def __init__(self, ref: _DescRef, meta, encode, size: int):
         self.ref, self.slot, self.meta, self.encode, self.size = ref, ref.slot, meta, encode, size
-        self.kept: dict[int, list] = {}  # address -> encoding (the allocator hands the same addresses back)
+        # address -> encoding (the allocator hands the same addresses back; a program over weights made for the call
+        # serves every layer of its shapes, each with its weights' addresses)
+        self.kept: dict[int, list] = {}
 
     def encoded(self, base: Tensor) -> list:
         ptr = base.data_ptr()
         got = self.kept.get(ptr)
         if got is None:
             got = self.encode(self.ref.over(base), self.meta)
-            if len(self.kept) >= 8:
+            if len(self.kept) >= 128:
                 self.kept.clear()
             self.kept[ptr] = got
         return got

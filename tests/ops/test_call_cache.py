@@ -2,6 +2,7 @@
 the parameters' addresses, the layout and the activation parsed once; nothing kept holds a parameter."""
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from moeblaze_fx import ops
+from moeblaze_fx.config import KernelOptions, encode_kernels
 from moeblaze_fx.kernels.reference import ExpertParams, parse_activation, split_gate_up
 from moeblaze_fx.layout import decode_layout, layout_of
 
@@ -24,8 +26,9 @@ def _args(T=12, d=8, h=6, E=4, K=2, device="cpu", dtype=torch.float64, seed=0):
     return x, ids, w, params, layout
 
 
-def _call(x, ids, w, params, layout, chunk_tokens=0, activation="swiglu"):
-    return torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, activation, "activations", chunk_tokens, "")[0]
+def _call(x, ids, w, params, layout, chunk_tokens=0, activation="swiglu", kernel_options=""):
+    return torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, activation, "activations", chunk_tokens,
+                                      kernel_options)[0]
 
 
 @pytest.fixture
@@ -95,20 +98,23 @@ def test_layout_and_activation_are_parsed_once():
 @pytest.mark.cuda
 def test_cuda_tables_are_kept_without_the_parameters():
     """The tables are built once per parameters' addresses; what is kept has no dense view, so a model's weights are
-    freed with it; parameters at new addresses get new tables, and the output follows them."""
+    freed with it; parameters at new addresses get new tables, and the output follows them. (Calls orchestrated
+    every time, the kernel option replay=False: a replayed call makes its tables in its program,
+    tests/ops/test_moe_ffn.py.)"""
     ops._WEIGHTS.clear()
     x, ids, w, params, layout = _args(T=64, d=64, h=64, E=4, K=2, device="cuda", dtype=torch.bfloat16)
-    first = _call(x, ids, w, params, layout)
+    call = functools.partial(_call, kernel_options=encode_kernels(KernelOptions(replay=False)))
+    first = call(x, ids, w, params, layout)
     assert len(ops._WEIGHTS) == 1
     kept = next(iter(ops._WEIGHTS.values()))
     assert all(t is None or t.dense is None for t in kept)
-    assert torch.equal(_call(x, ids, w, params, layout), first)
+    assert torch.equal(call(x, ids, w, params, layout), first)
     assert len(ops._WEIGHTS) == 1
     moved = [p.clone() for p in params]  # the same values at other addresses
-    assert torch.equal(_call(x, ids, w, moved, layout), first)
+    assert torch.equal(call(x, ids, w, moved, layout), first)
     assert len(ops._WEIGHTS) == 2
     assert len(params) == 2  # [gate|up, down]: y is linear in the down weights
-    torch.testing.assert_close(_call(x, ids, w, [params[0], 2 * params[1]], layout), first * 2, rtol=0, atol=0)
+    torch.testing.assert_close(call(x, ids, w, [params[0], 2 * params[1]], layout), first * 2, rtol=0, atol=0)
     refs = [weakref.ref(p) for p in moved]
     del moved
     gc.collect()

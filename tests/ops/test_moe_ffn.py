@@ -253,6 +253,45 @@ def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoin
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("experts", ["hf", "separate"])
+def test_triton_path_replays_calls_over_weights_made_for_them(triton_path, experts):
+    """Weights made for each call (cast from a master copy, as under autocast: new tensors at new addresses, with new
+    values, every step) are recorded once per signature and replayed over the next step's weights: no address of
+    theirs is in the key, and the recorded call made their pointer tables and host descriptors over them, which a
+    replay makes again over the new ones. Bitwise the orchestrated calls (replay=False), gradients reaching the
+    master weights through the cast. (The Triton path interpreted: the backward operators are recorded and replayed,
+    the forward's records refused, as in the test above.)"""
+    from moeblaze_fx.kernels import program
+
+    T, d, h, E, K = 40, 16, 24, 4, 2
+    _, _, _, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+    master = (wgu, wd) if experts == "hf" else tuple(t.detach().clone().requires_grad_()
+                                                     for t in (*split_gate_up(wgu), wd))
+    made = []  # every step's weights stay alive: each step's are at new addresses
+
+    def step(replay: bool, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, d, generator=g).requires_grad_()
+        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+        w = torch.rand(T, K, generator=g).requires_grad_()
+        gy = torch.randn(T, d, generator=g)
+        cast = [m * (1.0 + seed) for m in master]  # new values and addresses; not a model's weight
+        made.append(cast)
+        experts_arg = tuple(cast) if experts == "hf" else ExpertParams(*cast)
+        with moeblaze_fx.patch(kernels={"replay": replay}):
+            y = moe_ffn(x, ids, w, experts_arg)
+        return (y, *torch.autograd.grad(y, (x, w, *master), gy))
+
+    before = program.stats()
+    replayed = [step(True, seed) for seed in range(4)]
+    after = program.stats()
+    assert {k: after[k] - before[k] for k in after} == {"recorded": 3, "replayed": 6, "refused": program.ATTEMPTS}
+    for seed, got in enumerate(replayed):
+        for a, b in zip(got, step(False, seed)):
+            assert torch.equal(a, b)
+    assert not torch.equal(replayed[2][3], replayed[3][3])  # the steps' weights differ, and so do their gradients
+
+
 def _split_equals_whole(x, ids, w, params, layout, plan_len, activation="swiglu"):
     """Runs the forward (which saves a plan of ``plan_len`` tensors), then the whole backward and the three split
     operators on the same inputs; asserts they agree bitwise. Returns (dA|dB, the upstream gradient, A|B, plan)."""
@@ -674,8 +713,8 @@ def test_replayed_calls_match_the_orchestrated_ones(experts, chunk_tokens, ops):
     of the same call orchestrated again (kernel option replay=False), over new tensors at every step (new addresses:
     the transients, the gradient buffers' pointer tables and the descriptors over them move). One record per
     operator at its second call, every later call replayed: the forward and the three backward operators of the split
-    backward, or the forward and the one backward operator over several slot windows. Weights cast for the call are
-    never recorded."""
+    backward, or the forward and the one backward operator over several slot windows. Weights made for each call
+    (cast from the model's) are recorded once and replayed over the next calls' weights, which move and change."""
     from moeblaze_fx.kernels import program
 
     T, d, h, E, K = 1000, 256, 256, 8, 2  # shapes the Gluon kernels take
@@ -692,7 +731,7 @@ def test_replayed_calls_match_the_orchestrated_ones(experts, chunk_tokens, ops):
         gy = torch.randn(T, d, device="cuda", generator=g).bfloat16()
         with moeblaze_fx.patch(kernels={"replay": replay}):
             y = moe_ffn(x, ids, w, weights, chunk_tokens=chunk_tokens)
-        return (y, *torch.autograd.grad(y, (x, w, *leaves), gy))
+        return (y, *torch.autograd.grad(y, (x, w, *leaves), gy, retain_graph=True))  # (weights cast once, used twice)
 
     step(False, 0)  # compiles every kernel: no record is refused
     before = program.stats()
@@ -702,11 +741,20 @@ def test_replayed_calls_match_the_orchestrated_ones(experts, chunk_tokens, ops):
     for seed, got in enumerate(replayed, 1):
         for a, b in zip(got, step(False, seed)):
             assert torch.equal(a, b)
-    cast = ExpertParams(*[t.detach().clone() for t in (*split_gate_up(wgu), wd)])  # no parameter: not recorded
+    # weights made for each call from the model's (cast, as under autocast): recorded once, replayed over others
+    def made(seed):
+        cast = [None if t is None else t * (1.0 + seed) for t in weights]
+        return tuple(cast) if experts == "hf" else ExpertParams(*cast)
+
+    first = made(5)  # the recorded call's weights are those of the call before it (their tables kept by address)
+    steps = [(5, first), (6, first), (7, made(7)), (8, made(8))]
     before = program.stats()
-    step(True, 5, cast, ())
-    step(True, 6, cast, ())
-    assert program.stats() == before
+    replayed = [step(True, seed, cast) for seed, cast in steps]
+    after = program.stats()
+    assert {k: after[k] - before[k] for k in after} == {"recorded": ops, "replayed": 2 * ops, "refused": 0}
+    for (seed, cast), got in zip(steps, replayed):
+        for a, b in zip(got, step(False, seed, cast)):
+            assert torch.equal(a, b)
 
 
 def test_importing_the_package_loads_no_benchmark_code():
