@@ -218,7 +218,10 @@ def add_models_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help='backend options of the moeblaze provider, e.g. \'{"checkpoint": "recompute"}\'')
     parser.add_argument("--device", default=_default_device(), help="cuda or cpu (default: %(default)s)")
     parser.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 "
-                                                                   "on CPU)")
+                                                                   "on CPU); with --autocast, the autocast dtype")
+    parser.add_argument("--autocast", action="store_true",
+                        help="mixed precision: float32 weights, each step's forward and loss under torch.autocast in "
+                             "--dtype (default bf16), as the Hugging Face Trainer's bf16=True trains")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps, the compiling one included "
                                                               "(default: %(default)s)")
     parser.add_argument("--reps", type=int, default=8, help="timed steps, median reported (default: %(default)s)")
@@ -263,7 +266,8 @@ def run_models(args: argparse.Namespace) -> int:
         result = run_models_bench(
             families, tokens, layers=args.layers, seq=args.seq or (32 if args.tiny else None), tiny=args.tiny,
             providers=providers, fsdp_style=args.fsdp_style, moe_share=args.moe_share, device=args.device,
-            dtype=args.dtype, warmup=args.warmup, reps=args.reps, moeblaze_options=options, overrides=overrides,
+            dtype=args.dtype, autocast=args.autocast, warmup=args.warmup, reps=args.reps, moeblaze_options=options,
+            overrides=overrides,
             seed=args.seed, progress=not args.no_progress)
     except (ValueError, RuntimeError) as exc:
         print(f"moeblaze bench models: {exc}", file=sys.stderr)

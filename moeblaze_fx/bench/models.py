@@ -292,31 +292,38 @@ def _graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _step(fn: Callable[..., Any], model: torch.nn.Module, input_ids: Tensor, seed: int) -> Tensor:
+def _step(fn: Callable[..., Any], model: torch.nn.Module, input_ids: Tensor, seed: int,
+          autocast: Optional[torch.dtype] = None) -> Tensor:
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    loss = fn(input_ids=input_ids, labels=input_ids).loss
+    with torch.autocast(input_ids.device.type, dtype=autocast, enabled=autocast is not None):
+        loss = fn(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     return loss.detach()
 
 
-def _measure(fn, model, input_ids, device, warmup: int, reps: int, seed: int) -> dict[str, Any]:
+def _measure(fn, model, input_ids, device, warmup: int, reps: int, seed: int,
+             autocast: Optional[torch.dtype] = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
+
+    def step(*_):
+        return _step(fn, model, input_ids, seed, autocast)
+
     sync(device)
     t0 = time.perf_counter()
-    loss = _step(fn, model, input_ids, seed)  # compiles
+    loss = step()  # compiles
     sync(device)
     out["first_step_s"] = time.perf_counter() - t0
     out["loss"] = float(loss)
     for _ in range(max(warmup - 1, 0)):
-        _step(fn, model, input_ids, seed)
+        step()
     sync(device)
     if device.type == "cuda":
-        times = cuda_step_times(lambda i: _step(fn, model, input_ids, seed), device, reps)
-        out["host_ms"] = StepTimes.of(host_enqueue_ms(lambda: _step(fn, model, input_ids, seed), device, reps)).median
+        times = cuda_step_times(step, device, reps)
+        out["host_ms"] = StepTimes.of(host_enqueue_ms(step, device, reps)).median
     else:
-        times = wall_step_times(lambda i: _step(fn, model, input_ids, seed), reps)
+        times = wall_step_times(step, reps)
     out.update(StepTimes.of(times).fields())
     if device.type == "cuda":
         for p in model.parameters():
@@ -324,7 +331,7 @@ def _measure(fn, model, input_ids, device, warmup: int, reps: int, seed: int) ->
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        _step(fn, model, input_ids, seed)
+        step()
         torch.cuda.synchronize(device)
         out["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
     return out
@@ -381,6 +388,7 @@ def run_models_bench(
     moe_share: bool = False,
     device: str | torch.device = "cuda",
     dtype: Optional[torch.dtype] = None,
+    autocast: bool = False,
     warmup: int = 2,
     reps: int = 8,
     moeblaze_options: Optional[dict[str, Any]] = None,
@@ -389,11 +397,19 @@ def run_models_bench(
     progress: bool = True,
 ) -> ModelsBenchResult:
     """Run the model benchmark (see the module docstring). ``dtype`` defaults to bf16 on CUDA, float32 on the CPU.
-    ``overrides``: {family or "*": {config key: value}} applied over the family's sizes."""
+    With ``autocast`` the weights are float32 and each step's forward and loss run under ``torch.autocast`` in
+    ``dtype`` (default bf16), as mixed-precision training with float32 weights does (the Hugging Face Trainer's
+    ``bf16=True``, torchtitan on one GPU). ``overrides``: {family or "*": {config key: value}} applied over the
+    family's sizes."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if autocast:
+        dtype = dtype or torch.bfloat16
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast computes in bf16 or fp16, not {dtype}")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    weights_dtype, autocast_dtype = (torch.float32, dtype) if autocast else (dtype, None)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown model families {unknown}; choose from {', '.join(FAMILIES)}")
@@ -411,7 +427,8 @@ def run_models_bench(
     overrides = overrides or {}
 
     meta = environment(device)
-    meta.update(dtype=str(dtype).replace("torch.", ""), layers=layers, tiny=tiny, fsdp_style=fsdp_style,
+    meta.update(dtype=str(weights_dtype).replace("torch.", ""),
+                autocast=None if autocast_dtype is None else str(autocast_dtype).replace("torch.", ""), layers=layers, tiny=tiny, fsdp_style=fsdp_style,
                 warmup=warmup, reps=reps, seed=seed, moeblaze_options=dict(moeblaze_options or {}),
                 step="model(input_ids, labels=input_ids).loss; loss.backward(); grads reset before each step",
                 timer=(f"CUDA events, median of {reps} after {warmup} warm-up, L2 flushed before each; host = the "
@@ -435,7 +452,7 @@ def run_models_bench(
             fam_over = {**overrides.get("*", {}), **overrides.get(family, {})}
             model = None
             try:
-                model = build_model(family, layers=layers, tiny=tiny, device=device, dtype=dtype,
+                model = build_model(family, layers=layers, tiny=tiny, device=device, dtype=weights_dtype,
                                     overrides=fam_over, seed=seed)
             except Exception as exc:  # noqa: BLE001 - one family failing must not hide the others
                 status = "out of memory" if is_oom(exc) else "error"
@@ -456,7 +473,7 @@ def run_models_bench(
                 "moe_blocks": len(blocks), "note": fam.note}
             for t in tokens:
                 rows.extend(_run_tokens(model, family, t, splits[t], provider_list, device, fsdp_style,
-                                        moeblaze_options, warmup, reps, seed, len(blocks), bar))
+                                        moeblaze_options, warmup, reps, seed, len(blocks), bar, autocast_dtype))
             del model, blocks
             torch._dynamo.reset()  # the compiled code holds the model: let its memory go before the next family
             free_memory(device)
@@ -468,7 +485,7 @@ def run_models_bench(
 
 
 def _run_tokens(model, family, tokens, split, providers, device, fsdp_style, moeblaze_options, warmup, reps, seed,
-                n_blocks, bar) -> list[dict[str, Any]]:
+                n_blocks, bar, autocast) -> list[dict[str, Any]]:
     batch, seq = split
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
@@ -485,7 +502,7 @@ def _run_tokens(model, family, tokens, split, providers, device, fsdp_style, moe
         undo = lambda: None  # noqa: E731
         try:
             fn, undo = _compiled(model, provider, fsdp_style, moeblaze_options)
-            fields = _measure(fn, model, input_ids, device, warmup, reps, seed)
+            fields = _measure(fn, model, input_ids, device, warmup, reps, seed, autocast)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the run goes on
             status = "out of memory" if is_oom(exc) else "error"
             from .compare import describe_error
@@ -524,7 +541,8 @@ def format_models_markdown(result: ModelsBenchResult) -> str:
         "the whole model compiled"
     lines = [
         f"Device: {m['device']}; torch {m['torch']}, triton {m.get('triton') or '-'}, transformers "
-        f"{m.get('transformers') or '-'}; {m['date']}; commit {m['commit']}; dtype {m['dtype']}.",
+        f"{m.get('transformers') or '-'}; {m['date']}; commit {m['commit']}; dtype {m['dtype']}"
+        + (f", under torch.autocast({m['autocast']})." if m.get("autocast") else "."),
         f"One step = forward + loss + backward, {m['layers']} decoder layer{'s' if m['layers'] != 1 else ''} (all MoE), "
         f"{'tiny sizes' if m.get('tiny') else 'the checkpoint block sizes'}, random weights; {compile_what}.",
         f"Timer: {m['timer']}. Peak: {m['peak']}. Compile s: the first step. Regions: MoE regions rewritten / "

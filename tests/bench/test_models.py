@@ -81,6 +81,27 @@ def test_every_moe_block_is_rewritten(family):
     assert result.meta["families"][family]["moe_blocks"] == 2
 
 
+def test_autocast_trains_float32_weights_in_bf16_and_rewrites_every_block(monkeypatch):
+    """``autocast=True``: the model's weights stay float32 and each step's forward runs under torch.autocast(bf16),
+    so the experts' weights reach the region cast (the mixed-precision case); every block is still rewritten."""
+    seen = []
+    step = models._step
+    monkeypatch.setattr(models, "_step", lambda fn, model, ids, seed, autocast=None: seen.append(
+        (autocast, {p.dtype for p in model.parameters()})) or step(fn, model, ids, seed, autocast))
+    result = models.run_models_bench(["olmoe"], [64], layers=2, seq=32, tiny=True, providers=("eager", "moeblaze"),
+                                     device="cpu", autocast=True, warmup=1, reps=1, moeblaze_options=NO_INDUCTOR,
+                                     progress=False)
+    eager, moeblaze = result.rows
+    assert eager["status"] == moeblaze["status"] == "ok", result.rows
+    assert (moeblaze["regions"], moeblaze["regions_rewritten"]) == ({"rewritten": 2}, 2)
+    assert moeblaze["loss_rel_diff"] < 2e-2  # bf16 against bf16, in another order
+    assert set(map(str, seen)) == {str((torch.bfloat16, {torch.float32}))}
+    assert (result.meta["dtype"], result.meta["autocast"]) == ("float32", "bfloat16")
+    assert "dtype float32, under torch.autocast(bfloat16)." in result.to_markdown()
+    with pytest.raises(ValueError, match="autocast computes in bf16 or fp16"):
+        models.run_models_bench(["olmoe"], [64], tiny=True, device="cpu", dtype=torch.float32, autocast=True)
+
+
 def test_fsdp_style_compiles_each_layer_and_puts_the_model_back():
     model = models.build_model("olmoe", layers=2, tiny=True)
     layers = list(model.model.layers)
