@@ -211,6 +211,15 @@ def test_triton_path_backward_with_the_saved_plan_equals_one_dispatching_again(t
         assert torch.equal(a, b)
 
 
+def _step_tokens(T, d, E, K, seed):
+    """One step's tokens, routing (ids, weights requiring grad) and upstream gradient, float32 on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g).requires_grad_()
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    w = torch.rand(T, K, generator=g).requires_grad_()
+    return x, ids, w, torch.randn(T, d, generator=g)
+
+
 @pytest.mark.parametrize("checkpoint,chunk_tokens,ops", [("activations", 0, 4), ("recompute", 0, 2),
                                                         ("activations", 9, 2)],  # ops: the forward and the backward's
                          ids=["split-backward", "recompute", "windows"])
@@ -230,11 +239,7 @@ def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoin
     _, _, _, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
 
     def step(replay: bool, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(T, d, generator=g).requires_grad_()
-        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-        w = torch.rand(T, K, generator=g).requires_grad_()
-        gy = torch.randn(T, d, generator=g)
+        x, ids, w, gy = _step_tokens(T, d, E, K, seed)
         with moeblaze_fx.patch(kernels={"replay": replay}):
             y = moe_ffn(x, ids, w, (wgu, wd), checkpoint=checkpoint, chunk_tokens=chunk_tokens)
         return (y, *torch.autograd.grad(y, (x, w, wgu, wd), gy))
@@ -270,11 +275,7 @@ def test_triton_path_replays_calls_over_weights_made_for_them(triton_path, exper
     made = []  # every step's weights stay alive: each step's are at new addresses
 
     def step(replay: bool, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(T, d, generator=g).requires_grad_()
-        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-        w = torch.rand(T, K, generator=g).requires_grad_()
-        gy = torch.randn(T, d, generator=g)
+        x, ids, w, gy = _step_tokens(T, d, E, K, seed)
         cast = [m * (1.0 + seed) for m in master]  # new values and addresses; not a model's weight
         made.append(cast)
         experts_arg = tuple(cast) if experts == "hf" else ExpertParams(*cast)
