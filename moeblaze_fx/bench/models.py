@@ -11,6 +11,9 @@ One step (every provider, the same model object, the same inputs)::
     loss = model(input_ids, labels=input_ids).loss     # forward + the model's own next-token loss
     loss.backward()                                     # gradients are reset before each step; no optimizer
 
+With ``autocast=True`` the model's weights are float32 and the forward and loss run under ``torch.autocast`` (bf16
+unless ``dtype`` says fp16), as mixed-precision training over float32 weights does.
+
 Providers (one process, Dynamo reset before each one and each token count, so each compiles with static shapes):
 
 * ``eager``: the model as built (experts in ``experts_implementation="grouped_mm"`` where the family has one);
@@ -428,7 +431,8 @@ def run_models_bench(
 
     meta = environment(device)
     meta.update(dtype=str(weights_dtype).replace("torch.", ""),
-                autocast=None if autocast_dtype is None else str(autocast_dtype).replace("torch.", ""), layers=layers, tiny=tiny, fsdp_style=fsdp_style,
+                autocast=None if autocast_dtype is None else str(autocast_dtype).replace("torch.", ""),
+                layers=layers, tiny=tiny, fsdp_style=fsdp_style,
                 warmup=warmup, reps=reps, seed=seed, moeblaze_options=dict(moeblaze_options or {}),
                 step="model(input_ids, labels=input_ids).loss; loss.backward(); grads reset before each step",
                 timer=(f"CUDA events, median of {reps} after {warmup} warm-up, L2 flushed before each; host = the "
