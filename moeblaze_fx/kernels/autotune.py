@@ -135,7 +135,7 @@ INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=
 # tiles; two 64 x 64 fp32 accumulators (up) and 3 stages of 12 KB fit every kind (dh's three accumulators too). At
 # OLMoE's layer (4096, 2048, 1024, 64, 8) on an H200 (2026-11-28, kernel ms of a forward + backward step): block_k 16
 # with 3 or 4 stages 65.6 (up 25.5, down 22.4, dW 13.9); block_k 32 with 2 stages 301.9 (the up kernel 251 of it),
-# with 3 stages 351.6; 8 warps, 32- or 128-wide tiles, or 128 or 32 rows: 67-347.
+# with 3 stages 351.6; 8 warps, 32- or 128-wide tiles, or 128 or 32 rows: 67.2-347.8.
 FLOAT32_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=4, num_stages=3, group_m=8)
 
 

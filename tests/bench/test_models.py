@@ -82,8 +82,8 @@ def test_every_moe_block_is_rewritten(family):
 
 
 def test_autocast_trains_float32_weights_in_bf16_and_rewrites_every_block(monkeypatch):
-    """``autocast=True``: the model's weights stay float32 and each step's forward runs under torch.autocast(bf16),
-    so the experts' weights reach the region cast (the mixed-precision case); every block is still rewritten."""
+    """``autocast=True``: the model's weights stay float32 and each step's forward runs under torch.autocast(bf16)
+    (mixed-precision training); every block is still rewritten."""
     seen = []
     step = models._step
     monkeypatch.setattr(models, "_step", lambda fn, model, ids, seed, autocast=None: seen.append(
