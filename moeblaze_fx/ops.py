@@ -422,7 +422,7 @@ def _programmed(x: Tensor, params: Sequence[Tensor], views: Sequence[RoleView | 
     autotune, plan, program = (kernels[i] for i in (4, 6, 7))
     if not autotune.options().replay or not _replays_allowed(x):
         return body()
-    if not _models_weights(params):
+    if key[-1] is None:  # weights made for the call (no addresses in the key: _replay_key)
         entry = _UNOWNED.get(key) or _remember(_UNOWNED, key, program.Entry())
     else:  # (kept by the signature less the addresses: parameters that moved replace their program, see plan.keep)
         entry = plan.keep(_units_key(_kept_key(x, wkey), params, views), ("program", key[:-1]), x, program.Entry)
