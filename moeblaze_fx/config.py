@@ -26,8 +26,10 @@ import functools
 import os
 from typing import Any, Iterator, Optional
 
+import torch
+
 __all__ = ["MoEBlazeConfig", "KernelOptions", "patch", "current", "from_options", "encode_kernels", "decode_kernels",
-           "interpreting", "ENV_VAR"]
+           "interpreting", "float32_matmul_reduced", "ENV_VAR", "FLOAT32_PRODUCTS"]
 
 ENV_VAR = "MOEBLAZE_OPTIONS"
 CHECKPOINT_CHOICES = ("activations", "recompute", "auto")
@@ -35,6 +37,8 @@ CHECKPOINT_CHOICES = ("activations", "recompute", "auto")
 KERNEL_CONFIG_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_n")
 _TILE_KEYS = ("block_m", "block_n", "block_k")
 DISPATCH_PATHS = ("sort", "dense")
+# How the CUDA kernels multiply float32 operands (the kernel option ``float32_products``, see KernelOptions).
+FLOAT32_PRODUCTS = ("auto", "bf16x6", "bf16x3", "ieee")
 
 
 def _pow2(v: int) -> bool:
@@ -126,11 +130,24 @@ class KernelOptions:
     # orchestration decides every call again (the way around a problem in a replay, and what the cuda tests compare
     # against).
     replay: bool = True
+    # How float32 operands are multiplied (a region that computes in float32: a Hugging Face model's grouped_mm
+    # experts under torch.autocast over float32 weights). Triton's dot precisions, on the tensor cores: "bf16x6"
+    # splits each operand into three bf16 parts and sums the six products of parts above float32's rounding;
+    # "bf16x3" sums the three of the two leading parts. "ieee": float32 fused multiply-adds on the CUDA cores. "auto":
+    # "bf16x3" where torch lets its own CUDA float32 matrix products run below float32 (TF32:
+    # ``torch.set_float32_matmul_precision("high")``, ``torch.backends.cuda.matmul.fp32_precision = "tf32"``), else
+    # "bf16x6". Relative error against float64 of an OLMoE layer's output and gradients (H200, 2026-12-01): bf16x6
+    # 2.9-3.3e-7, ieee 1.3-1.5e-6, cuBLAS's float32 7.0-7.9e-7; bf16x3 7.8-8.0e-6, cuBLAS's TF32 5.1-5.3e-4, Triton's
+    # TF32 2.3e-3. Forward + backward ms: 24.2, 65.7, 16.6 (Triton's TF32 20.0) (benchmarks/RESULTS.md).
+    float32_products: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("gluon", "replay"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"moeblaze: kernel option {name!r} must be True or False, got {getattr(self, name)!r}")
+        if self.float32_products not in FLOAT32_PRODUCTS:
+            raise ValueError(f"moeblaze: kernel option 'float32_products' must be one of {FLOAT32_PRODUCTS}, got "
+                             f"{self.float32_products!r}")
         object.__setattr__(self, "kernel_config", _kernel_config(self.kernel_config))
         object.__setattr__(self, "dispatch_config", _dispatch_config(self.dispatch_config))
         # made once: moe_ffn reads it at every call, and Dynamo traces that read (not dataclasses.fields)
@@ -270,6 +287,16 @@ def current() -> MoEBlazeConfig:
 def interpreting() -> bool:
     """Whether Triton's interpreter is on (``TRITON_INTERPRET``, Triton's own variable): kernels run on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def float32_matmul_reduced(device_type: str) -> bool:
+    """Whether torch's own float32 matrix products on ``device_type`` may run below float32 precision (TF32 on CUDA,
+    TF32 or bf16 on the CPU's oneDNN): ``torch.set_float32_matmul_precision`` below "highest", or the backend's
+    ``fp32_precision``. Read through the per-backend setting, which answers whichever of torch's two APIs set it
+    (``torch.get_float32_matmul_precision()`` and ``torch.backends.cuda.matmul.allow_tf32`` raise once the newer one
+    has been used)."""
+    backend = torch.backends.cuda.matmul if device_type == "cuda" else torch.backends.mkldnn.matmul
+    return backend.fp32_precision not in ("ieee", "none")
 
 
 def from_options(options: Optional[dict[str, Any]]) -> MoEBlazeConfig:

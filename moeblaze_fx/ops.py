@@ -43,8 +43,9 @@ it was compiled with; the autograd formula hands the forward's to the backward o
 inside ``kernels.autotune.using`` of the decoded options.
 
 Implementations: plain PyTorch on every device (``kernels.reference``), replaced on CUDA for
-bfloat16/float16/float32 by the Triton kernels in ``kernels/`` where they are available (float32 with exact IEEE
-products and one fixed configuration, ``kernels.autotune.FLOAT32_CONFIG``; never the Gluon kernels). The PyTorch
+bfloat16/float16/float32 by the Triton kernels in ``kernels/`` where they are available (float32 with its products
+as the kernel option ``float32_products`` says and one fixed configuration for each way,
+``kernels.autotune.FLOAT32_CONFIGS``; never the Gluon kernels). The PyTorch
 path walks the experts on the host on the CPU, and on CUDA (float64, or without Triton) runs row tiles of a static
 count with no host synchronisation (``kernels.reference``).
 """
@@ -376,12 +377,15 @@ _UNOWNED: dict = {}  # program.Entry by _replay_key, for weights that are not a 
 def _replay_key(what: tuple, x: Tensor, kernel_options: str, layout: Sequence[int], params: Sequence[Tensor],
                 inputs: Sequence[Tensor]) -> tuple:
     """Everything an operator call's program is recorded under (see :func:`_programmed`): ``what`` (the operator and
-    its non-tensor arguments), the kernel options, the layout, each input's shape, strides, dtype and 16-byte
-    alignment, x's device, the current device and stream, the dh kernel's split, and last the parameters' addresses
-    where they are a model's weights (:func:`_models_weights`; None for weights made for the call)."""
+    its non-tensor arguments), the kernel options, how float32 operands are multiplied (torch's precision setting
+    can resolve the option "auto" another way at the next call), the layout, each input's shape, strides, dtype and
+    16-byte alignment, x's device, the current device and stream, the dh kernel's split, and last the parameters'
+    addresses where they are a model's weights (:func:`_models_weights`; None for weights made for the call)."""
     kernels = _triton_kernels()
     cuda = x.is_cuda
-    return (what, kernel_options, tuple(layout), x.device, torch.cuda.current_device() if cuda else None,
+    products = kernels[4].resolve_float32_products(decode_kernels(kernel_options)) \
+        if x.dtype == torch.float32 else None
+    return (what, kernel_options, products, tuple(layout), x.device, torch.cuda.current_device() if cuda else None,
             kernels[3].stream_key(x.device) if cuda else None, kernels[6].tdh.DH_SPLIT,
             tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in inputs]),
             tuple([p.data_ptr() for p in params]) if _models_weights(params) else None)

@@ -432,6 +432,10 @@ def run_models_bench(
     meta = environment(device)
     meta.update(dtype=str(weights_dtype).replace("torch.", ""),
                 autocast=None if autocast_dtype is None else str(autocast_dtype).replace("torch.", ""),
+                # what float32 products may round to (torch's and, under "auto", the operator's: config.KernelOptions;
+                # torch's "none" is the default, IEEE float32)
+                float32_matmul=(torch.backends.cuda.matmul if device.type == "cuda" else
+                                torch.backends.mkldnn.matmul).fp32_precision.replace("none", "ieee"),
                 layers=layers, tiny=tiny, fsdp_style=fsdp_style,
                 warmup=warmup, reps=reps, seed=seed, moeblaze_options=dict(moeblaze_options or {}),
                 step="model(input_ids, labels=input_ids).loss; loss.backward(); grads reset before each step",
@@ -546,7 +550,9 @@ def format_models_markdown(result: ModelsBenchResult) -> str:
     lines = [
         f"Device: {m['device']}; torch {m['torch']}, triton {m.get('triton') or '-'}, transformers "
         f"{m.get('transformers') or '-'}; {m['date']}; commit {m['commit']}; dtype {m['dtype']}"
-        + (f", under torch.autocast({m['autocast']})." if m.get("autocast") else "."),
+        + (f", under torch.autocast({m['autocast']})" if m.get("autocast") else "")
+        + (f"; torch's float32 matmul precision {m['float32_matmul']}." if m["dtype"] == "float32" and
+           m.get("float32_matmul") else "."),
         f"One step = forward + loss + backward, {m['layers']} decoder layer{'s' if m['layers'] != 1 else ''} (all MoE), "
         f"{'tiny sizes' if m.get('tiny') else 'the checkpoint block sizes'}, random weights; {compile_what}.",
         f"Timer: {m['timer']}. Peak: {m['peak']}. Compile s: the first step. Regions: MoE regions rewritten / "

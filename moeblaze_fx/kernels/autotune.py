@@ -7,8 +7,9 @@ candidate configurations of each kind, and :func:`launch` is the single place th
   configuration for every kernel, no benchmarking. Format ``"block_m=16,block_n=16,block_k=16,num_warps=4,
   num_stages=1"`` (missing keys keep the defaults of :class:`KernelConfig`).
 * under ``TRITON_INTERPRET=1`` without a pin: :data:`INTERPRETER_CONFIG` (tiny tiles, no benchmarking).
-* float32 operands on the GPU without a pin: :data:`FLOAT32_CONFIG` (exact IEEE products on the CUDA cores; the
-  candidates below are sized for 16-bit operands' shared memory and tensor cores).
+* float32 operands on the GPU without a pin: the configuration of :data:`FLOAT32_CONFIGS` for how the products run
+  (the kernel option ``float32_products``, resolved per call by :func:`using`; the candidates below are sized for
+  16-bit operands' shared memory).
 * otherwise: ``triton.autotune`` over the kind's short list, keyed on the GEMM sizes; after the first launch of
   a key, :func:`launch` calls the kernel with the tuner's choice directly.
   A kind with one candidate is launched with it directly, never through the tuner (``dh_act`` must be: it
@@ -54,7 +55,9 @@ from . import program as _program
 __all__ = [
     "KernelConfig",
     "INTERPRETER_CONFIG",
-    "FLOAT32_CONFIG",
+    "FLOAT32_CONFIGS",
+    "float32_products",
+    "resolve_float32_products",
     "DEFAULT_BLOCK_M",
     "interpreting",
     "options",
@@ -131,16 +134,37 @@ def _fit_hook(nargs: dict) -> None:  # a triton.Config pre_hook: nargs holds the
 
 
 INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)
-# float32 on the GPU: tl.dot with input_precision="ieee" (triton.common.dot_precision) runs on the CUDA cores, so small
-# tiles; two 64 x 64 fp32 accumulators (up) and 3 stages of 12 KB fit every kind (dh's three accumulators too). At
+# float32 on the GPU, one configuration per way of multiplying (triton.common.dot_precision). "ieee" runs on the CUDA
+# cores, so small tiles; two 64 x 64 fp32 accumulators (up) and 3 stages of 12 KB fit every kind (dh's three too). At
 # OLMoE's layer (4096, 2048, 1024, 64, 8) on an H200 (2026-11-28, kernel ms of a forward + backward step): block_k 16
 # with 3 or 4 stages 65.6 (up 25.5, down 22.4, dW 13.9); block_k 32 with 2 stages 301.9 (the up kernel 251 of it),
 # with 3 stages 351.6; 8 warps, 32- or 128-wide tiles, or 128 or 32 rows: 67.2-347.8.
-FLOAT32_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=4, num_stages=3, group_m=8)
+FLOAT32_CONFIGS = {
+    "ieee": KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=4, num_stages=3, group_m=8),
+    # tensor-core products of bf16 parts: at OLMoE's layer (H200, 2026-12-01, forward + backward ms) bf16x6 128 x 128 x
+    # 32 tiles with 8 warps 24.2, 64 x 128 x 32 with 4 warps 23.7, 128 x 64 x 32 with 4 or 8 warps 25.8 / 27.0,
+    # 128 x 128 x 16 with 4 stages 28.9; bf16x3 16.6 (128 x 128 x 32, 8 warps), 18.4 (128 x 64 x 32, 4 warps). One
+    # tile height for both, so
+    # that torch's TF32 setting, which picks between them, never changes the dispatch plan's shapes.
+    "bf16x6": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8),
+    "bf16x3": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8),
+}
+
+
+def resolve_float32_products(opts: KernelOptions) -> str:
+    """How a call under ``opts`` multiplies float32 operands: the kernel option ``float32_products``, with "auto"
+    resolved from torch's CUDA float32 matmul precision now (``config.float32_matmul_reduced``): "bf16x3" where torch
+    itself may run below float32 (TF32), "bf16x6" where it may not. A compiled graph reads the same setting when it
+    is traced and when it runs: Dynamo guards on torch's TF32 flag and compiles again when it changes."""
+    choice = opts.float32_products
+    if choice != "auto":
+        return choice
+    return "bf16x3" if _config.float32_matmul_reduced("cuda") else "bf16x6"
 
 
 class _Scope(threading.local):
-    """Per thread: (KernelOptions, fixed KernelConfig or None) of the open :func:`using` blocks, innermost last."""
+    """Per thread: (KernelOptions, fixed KernelConfig or None, float32 products or None) of the open :func:`using`
+    blocks, innermost last."""
 
     def __init__(self) -> None:
         self.stack: list[tuple[KernelOptions, KernelConfig | None]] = []
@@ -152,10 +176,12 @@ _SCOPE = _Scope()
 @contextlib.contextmanager
 def using(opts: KernelOptions, dtype: torch.dtype | None = None) -> Iterator[KernelOptions]:
     """Run the kernels launched inside the block (on this thread) with ``opts``, on operands of ``dtype`` (float32
-    takes :data:`FLOAT32_CONFIG` where nothing else is pinned)."""
+    multiplies as :func:`resolve_float32_products` says, with that way's :data:`FLOAT32_CONFIGS` configuration where
+    nothing else is pinned)."""
     if not isinstance(opts, KernelOptions):
         raise TypeError(f"using() takes a config.KernelOptions, got {type(opts).__name__}")
-    _SCOPE.stack.append((opts, _resolve_fixed(opts, dtype)))
+    products = resolve_float32_products(opts) if dtype == torch.float32 else None
+    _SCOPE.stack.append((opts, _resolve_fixed(opts, products), products))
     try:
         yield opts
     finally:
@@ -180,17 +206,27 @@ def pinned_config() -> KernelConfig | None:
     return _parse_pinned(spec) if spec else None
 
 
-def _resolve_fixed(opts: KernelOptions, dtype: torch.dtype | None = None) -> KernelConfig | None:
+def _resolve_fixed(opts: KernelOptions, products: str | None = None) -> KernelConfig | None:
+    """The configuration every launch takes under ``opts`` (None: autotuned), for float32 operands multiplied as
+    ``products`` (None: 16-bit operands)."""
     if opts.kernel_config:
         return _parse_pinned(opts.kernel_config)
     if interpreting():
         return INTERPRETER_CONFIG
-    return FLOAT32_CONFIG if dtype == torch.float32 else None
+    return FLOAT32_CONFIGS[products] if products is not None else None
 
 
 def _fixed_config() -> KernelConfig | None:
     stack = _SCOPE.stack
     return stack[-1][1] if stack else _resolve_fixed(_config.current().kernels)
+
+
+def float32_products() -> str:
+    """How the launches of the innermost :func:`using` block multiply float32 operands (Triton's ``input_precision``);
+    outside one, as ``config.current()``'s options say."""
+    stack = _SCOPE.stack
+    products = stack[-1][2] if stack else None
+    return products if products is not None else resolve_float32_products(options())
 
 
 def autotuning() -> bool:

@@ -74,9 +74,11 @@ kernels' epilogues split and join adjacent columns in registers): the backward's
 over the 2h columns, against the [2h, d] matrices (:func:`.tables.interleaved_table`) and into the stored [d, 2h]
 gradient, on either backend.
 
-Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp32 is computed with IEEE fp32 dots
-(no tf32), which is what the interpreter tests use; on CUDA the operator runs it with one fixed configuration
-(``autotune.FLOAT32_CONFIG``), never on the Gluon kernels.
+Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp32 dots take the input precision the
+kernel option ``float32_products`` resolves to (:func:`.autotune.resolve_float32_products`: three TF32 products a
+product on the tensor cores by default, TF32 where torch allows it, IEEE fused multiply-adds on request); the
+interpreter tests compute them in float32 whatever is asked. On CUDA the operator runs fp32 with one fixed
+configuration for each way (``autotune.FLOAT32_CONFIGS``), never on the Gluon kernels.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from ..config import float32_matmul_reduced
 from ..kernels.reference import Activation, moe_ffn_reference
 from ..memory import SavedTensorBytes
 from .extract import OUTPUT_WEIGHTED, Extraction, Layout, Routing, float_hint, ids_from_counts
@@ -37,16 +38,15 @@ __all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_
 # Relative error ||region - reference|| / ||reference|| accepted per dtype. The reference runs the
 # same dtype with float32 accumulation; a wrong layout or function gives errors near 1. float32 gets 1e-4 where its
 # matrix products run in float32 (correct regions of 59 Hugging Face families measured at most 4.2e-6 on the CPU,
-# 2026-11-26), 2e-3 where they may run in TF32 or bf16 (torch.set_float32_matmul_precision below "highest", or
-# torch.backends.cuda.matmul.allow_tf32 on CUDA): a near-miss such as the tanh-approximated GELU (4e-5) or a soft-cap
+# 2026-11-26), 2e-3 where they may run in TF32 or bf16 (torch.set_float32_matmul_precision below "highest", or the
+# device's fp32_precision: config.float32_matmul_reduced): a near-miss such as the tanh-approximated GELU (4e-5) or a soft-cap
 # near the identity (2e-3) must not pass where the precision allows telling it apart.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 FLOAT32_EXACT_TOLERANCE = 1e-4
 
 
 def tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" and not (
-            device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32):
+    if dtype == torch.float32 and not float32_matmul_reduced(device.type):
         return FLOAT32_EXACT_TOLERANCE
     return TOLERANCE[dtype]
 

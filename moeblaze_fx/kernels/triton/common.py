@@ -308,8 +308,12 @@ def _kept_zero(device: torch.device, stream: int) -> Tensor:  # noqa: ARG001 (a 
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 operands: IEEE products (torch's default for fp32 matmul is no tf32); 16-bit: tensor cores.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``tl.dot``'s input_precision for operands of ``dtype``: float32 as the call's kernel options say
+    (:func:`.autotune.float32_products`), "ieee" under Triton's interpreter (which multiplies float32 in float32
+    whatever is asked, and knows no bf16x6 or bf16x3); 16-bit operands ignore it."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if autotune.interpreting() else autotune.float32_products()
 
 
 def desc_view(table: WeightTable, k_is_rows: bool, mode: int) -> Tensor | None:
