@@ -2,6 +2,9 @@
 interleaved column by column, biases, the clamped SwiGLU), ModuleList experts with biases and GeGLU,
 and plain (non-gated) SiLU/GELU/ReLU experts. Each is rewritten once, reads the parameters in place
 (no stack, no cat in the rewritten graph), and matches eager in the output and every gradient."""
+import subprocess
+import sys
+
 import expecttest
 import pytest
 import torch
@@ -302,6 +305,33 @@ def test_float32_proof_tolerance_follows_the_matmul_precision():
     finally:
         torch.set_float32_matmul_precision(previous)
     assert tolerance(torch.bfloat16, cpu) == 6e-2
+
+
+# A fresh process: once torch's newer fp32_precision API is used, its older getters raise in every later test.
+_NEW_PRECISION_API = """
+import sys, torch
+torch.backends.fp32_precision = sys.argv[1]
+from torch._dynamo.utils import counters
+import moeblaze_fx
+from moeblaze_fx.models import LoopMoE
+from moeblaze_fx.passes.prove import tolerance
+torch.manual_seed(0)
+x = torch.randn(64, 32, requires_grad=True)
+torch.compile(LoopMoE(32, 64, 4, 2), backend="moeblaze", fullgraph=True)(x).sum().backward()
+print(dict(counters["moeblaze"]), tolerance(torch.float32, torch.device("cpu")),
+      [r.reason for r in moeblaze_fx.last_report()])
+"""
+
+
+@pytest.mark.parametrize("precision,tol", [("tf32", 2e-3), ("ieee", 1e-4)])
+def test_float32_regions_are_proven_under_torchs_newer_precision_api(precision, tol):
+    """torch.backends.fp32_precision (the API PyTorch now recommends): the proof's float32 tolerance reads it
+    (torch.get_float32_matmul_precision() raises once it was used) and the region is rewritten; it was left alone
+    with an internal error before."""
+    out = subprocess.run([sys.executable, "-c", _NEW_PRECISION_API, precision], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"{{'rewritten': 1}} {tol} [None]"
 
 
 def test_gpt_oss_limit_is_proven_beyond_the_clamp():

@@ -258,6 +258,36 @@ def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoin
             assert torch.equal(a, b)
 
 
+def test_triton_path_records_each_way_of_multiplying_float32_apart(triton_path):
+    """A float32 call's program is recorded under the way its products run (kernel option float32_products, "auto"
+    resolved from torch's float32 matmul precision at the call): the same call after torch.set_float32_matmul_precision
+    changes from "highest" (bf16x6) to "high" (bf16x3) is recorded again, not replayed from the record of the other way,
+    and the first way's record replays again once torch's setting is back. (The Triton path interpreted: its three
+    backward operators are recorded and replayed, the forward's records refused, as in the tests above.)"""
+    from moeblaze_fx.kernels import program
+
+    T, d, h, E, K = 40, 16, 24, 4, 2
+    _, _, _, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
+
+    def steps(precision, seeds):
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            before = program.stats()
+            for seed in seeds:
+                x, ids, w, gy = _step_tokens(T, d, E, K, seed)
+                torch.autograd.grad(moe_ffn(x, ids, w, (wgu, wd)), (x, w, wgu, wd), gy)
+            after = program.stats()
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        return {k: after[k] - before[k] for k in ("recorded", "replayed")}
+
+    # each backward operator: its first call runs, its second is recorded, later ones replay
+    assert steps("highest", range(4)) == {"recorded": 3, "replayed": 6}
+    assert steps("high", range(4)) == {"recorded": 3, "replayed": 6}
+    assert steps("highest", range(2)) == {"recorded": 0, "replayed": 6}
+
+
 @pytest.mark.parametrize("experts", ["hf", "separate"])
 def test_triton_path_replays_calls_over_weights_made_for_them(triton_path, experts):
     """Weights made for each call (cast from a master copy, as under autocast: new tensors at new addresses, with new

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import moeblaze_fx
 from moeblaze_fx import config
@@ -24,8 +25,10 @@ def test_defaults_encode_to_nothing():
     KernelOptions(kernel_config="num_warps=4,block_m=32"),  # any key order: one canonical form
     KernelOptions(kernel_config={"block_k": 16, "split_n": 2}),
     KernelOptions(dispatch_config="dense,64,32,4"),
-    KernelOptions(gluon=False, kernel_config="block_m=64", dispatch_config=("sort", 4096, 512, 4)),
-], ids=["gluon", "config-string", "config-dict", "dispatch", "all"])
+    KernelOptions(float32_products="ieee"),
+    KernelOptions(gluon=False, kernel_config="block_m=64", dispatch_config=("sort", 4096, 512, 4),
+                  float32_products="bf16x3"),
+], ids=["gluon", "config-string", "config-dict", "dispatch", "float32", "all"])
 def test_encoding_round_trips(options):
     encoded = encode_kernels(options)
     assert decode_kernels(encoded) == options
@@ -39,6 +42,8 @@ def test_canonical_forms():
     assert encode_kernels(KernelOptions(gluon=False, dispatch_config="sort,64,32,4")) == \
         "gluon=0;dispatch_config=sort,64,32,4"
     assert encode_kernels(KernelOptions(replay=False)) == "replay=0"
+    assert encode_kernels(KernelOptions(float32_products="auto")) == ""
+    assert encode_kernels(KernelOptions(float32_products="ieee")) == "float32_products=ieee"
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -55,6 +60,8 @@ def test_canonical_forms():
     ({"dispatch_config": "fast"}, ValueError, "expected 'path,chunk,block,num_warps'"),
     ({"dispatch_config": "radix,64,32,4"}, ValueError, "path must be one of \\('sort', 'dense'\\)"),
     ({"dispatch_config": "sort,64,128,4"}, ValueError, "16 <= block <= chunk"),
+    ({"float32_products": "tf32"}, ValueError,
+     "'float32_products' must be one of \\('auto', 'bf16x6', 'bf16x3', 'ieee'\\), got 'tf32'"),
 ])
 def test_bad_kernel_options_are_clear_errors(change, error, match):
     with pytest.raises(error, match=match):
@@ -73,7 +80,7 @@ def test_compile_options_and_patch_take_kernel_options():
             KernelOptions(gluon=False, kernel_config="block_m=32")
     assert config.current().kernels == KernelOptions()
     with pytest.raises(ValueError, match="unknown kernel option\\(s\\) \\['tma'\\]; valid kernel options are "
-                                         "\\['gluon', 'kernel_config', 'dispatch_config', 'replay'\\]"):
+                                         "\\['gluon', 'kernel_config', 'dispatch_config', 'replay', 'float32_products'\\]"):
         config.from_options({"kernels": {"tma": False}})
     with pytest.raises(TypeError, match="option 'kernels' must be a dict of kernel options"):
         config.from_options({"kernels": "gluon=0"})
@@ -84,10 +91,10 @@ def test_compile_options_and_patch_take_kernel_options():
 def test_environment_override_syntax():
     cfg = config.parse_environment("checkpoint=recompute; verify=0;memory_budget=1024;report=none;"
                                    "kernels.gluon=false;kernels.kernel_config=block_m=64,num_warps=4;"
-                                   "kernels.dispatch_config=sort,64,32,4")
+                                   "kernels.dispatch_config=sort,64,32,4;kernels.float32_products=ieee")
     assert cfg == MoEBlazeConfig(checkpoint="recompute", verify=False, memory_budget=1024, report=None,
                                  kernels=KernelOptions(gluon=False, kernel_config="block_m=64,num_warps=4",
-                                                       dispatch_config="sort,64,32,4"))
+                                                       dispatch_config="sort,64,32,4", float32_products="ieee"))
     assert config.parse_environment("") == MoEBlazeConfig()
     assert config.parse_environment("report=/tmp/r.json").report == "/tmp/r.json"
     with pytest.raises(ValueError, match="MOEBLAZE_OPTIONS='gluon=0'.*kernels.gluon"):  # a kernel option's prefix
@@ -98,6 +105,17 @@ def test_environment_override_syntax():
         config.parse_environment("memory_budget=1G")
     with pytest.raises(ValueError, match="checkpoint must be one of"):
         config.parse_environment("checkpoint=never")
+
+
+@pytest.mark.parametrize("precision,cuda,cpu", [("highest", False, False), ("high", True, True),
+                                                ("medium", True, True)])
+def test_float32_matmul_reduced_follows_torchs_precision(precision, cuda, cpu):
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert (config.float32_matmul_reduced("cuda"), config.float32_matmul_reduced("cpu")) == (cuda, cpu)
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def test_environment_override_sets_the_process_defaults():
