@@ -75,10 +75,10 @@ over the 2h columns, against the [2h, d] matrices (:func:`.tables.interleaved_ta
 gradient, on either backend.
 
 Dtypes: bf16 and fp16 run on the tensor cores (fp32 accumulation), autotuned. fp32 dots take the input precision the
-kernel option ``float32_products`` resolves to (:func:`.autotune.resolve_float32_products`: three TF32 products a
-product on the tensor cores by default, TF32 where torch allows it, IEEE fused multiply-adds on request); the
-interpreter tests compute them in float32 whatever is asked. On CUDA the operator runs fp32 with one fixed
-configuration for each way (``autotune.FLOAT32_CONFIGS``), never on the Gluon kernels.
+kernel option ``float32_products`` resolves to (:func:`.autotune.resolve_float32_products`: six bf16 products of
+three-part splits on the tensor cores by default, three where torch allows TF32, IEEE fused multiply-adds on
+request); the interpreter tests compute them in float32 whatever is asked. On CUDA the operator runs fp32 with one
+fixed configuration for each way (``autotune.FLOAT32_CONFIGS``), never on the Gluon kernels.
 """
 from __future__ import annotations
 
