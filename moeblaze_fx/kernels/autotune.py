@@ -144,8 +144,8 @@ FLOAT32_CONFIGS = {
     # tensor-core products of bf16 parts: at OLMoE's layer (H200, 2026-12-01, forward + backward ms) bf16x6 128 x 128 x
     # 32 tiles with 8 warps 24.2, 64 x 128 x 32 with 4 warps 23.7, 128 x 64 x 32 with 4 or 8 warps 25.8 / 27.0,
     # 128 x 128 x 16 with 4 stages 28.9; bf16x3 16.6 (128 x 128 x 32, 8 warps), 18.4 (128 x 64 x 32, 4 warps). One
-    # tile height for both, so
-    # that torch's TF32 setting, which picks between them, never changes the dispatch plan's shapes.
+    # tile height for both, so that torch's TF32 setting, which picks between them, never changes the dispatch plan's
+    # shapes.
     "bf16x6": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8),
     "bf16x3": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8),
 }
@@ -167,7 +167,7 @@ class _Scope(threading.local):
     blocks, innermost last."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[KernelOptions, KernelConfig | None]] = []
+        self.stack: list[tuple[KernelOptions, KernelConfig | None, str | None]] = []
 
 
 _SCOPE = _Scope()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from helpers import rewritten_graph, run_eager_and_compiled
 
 import moeblaze_fx
@@ -307,6 +308,27 @@ def test_float32_proof_tolerance_follows_the_matmul_precision():
     assert tolerance(torch.bfloat16, cpu) == 6e-2
 
 
+def test_a_float32_graph_is_compiled_again_when_torchs_tf32_setting_changes():
+    """The operator's float32 products follow torch's TF32 setting at each call (kernel option float32_products
+    "auto"), and so does the tile height of the dispatch plan the compiled graph's fake shapes were traced with: that
+    holds because Dynamo guards on the setting, tracing (and here rewriting) the graph again when it changes and
+    reusing the first graph when it changes back."""
+    from moeblaze_fx.models import LoopMoE
+
+    torch.manual_seed(0)
+    moe = torch.compile(LoopMoE(32, 64, 4, 2), backend="moeblaze", fullgraph=True)
+    x = torch.randn(64, 32)
+    previous = torch.get_float32_matmul_precision()
+    counters.clear()
+    try:
+        for precision in ("highest", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            moe(x)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert dict(counters["moeblaze"]) == {"rewritten": 2}
+
+
 # A fresh process: once torch's newer fp32_precision API is used, its older getters raise in every later test.
 _NEW_PRECISION_API = """
 import sys, torch
@@ -429,7 +451,7 @@ return (getitem,)""")
         run_eager_and_compiled(GptOssStyleMoE(), (_x(),))
         self.assertExpectedInline(moeblaze_fx.report.format_table(moeblaze_fx.last_report()), """\
 moeblaze: 1 of 1 MoE candidate(s) rewritten
-  [0] rewritten tests/e2e/test_variants.py:41  per-expert loop [where+index_add]
+  [0] rewritten tests/e2e/test_variants.py:45  per-expert loop [where+index_add]
       T=10 d=16 h=12 E=4 K=2 float32  policy=activations  saved for backward: 10.7 KB -> 2.7 KB
       layout: gate = gate_up_proj.T[0::2], up = gate_up_proj.T[1::2], down = down_proj.T, gate_bias = gate_up_proj_bias[0::2], up_bias = gate_up_proj_bias[1::2], down_bias = down_proj_bias; activation swiglu_oai(alpha=1.702,limit=0.9); check: numerical: forward and gradients within rel. error 1e-06 of the operator""")
 
