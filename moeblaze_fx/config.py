@@ -110,7 +110,7 @@ def _dispatch_config(value: Any) -> Optional[str]:
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the CUDA kernels run. Each field changes which kernels or configurations run, never what they compute
-    (beyond floating-point rounding of another tile shape)."""
+    (beyond floating-point rounding: of another tile shape, or of float32 products made another way)."""
 
     # The sm_90 (Hopper) Gluon kernels where they apply (16-bit operands, aligned row-block weights): the down
     # projection, the gathering up projection and dh GEMM (with dh's activation epilogue fused), the weight
