@@ -509,10 +509,13 @@ def test_triton_path_runs_with_the_call_s_kernel_options(triton_path, monkeypatc
     assert seen == [pinned] * 3
 
 
-@pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 128), (torch.float32, 64)])
-def test_plan_shapes_on_cuda_follow_the_dtype_and_the_options(monkeypatch, dtype, block_m):
+@pytest.mark.parametrize("dtype,options,block_m", [(torch.bfloat16, "", 128), (torch.float32, "", 128),
+                                                   (torch.float32, "float32_products=ieee", 64)],
+                         ids=["bf16", "float32", "float32-ieee"])
+def test_plan_shapes_on_cuda_follow_the_dtype_and_the_options(monkeypatch, dtype, options, block_m):
     """On CUDA (fake tensors: no GPU needed) 16-bit and float32 take the kernels; the fake's plan has the row tiles of
-    the autotuned kernels (128 rows) or of float32's fixed configuration (64), or of a pinned one."""
+    the autotuned kernels (128 rows) or of float32's fixed configuration for its way of multiplying (128 for the
+    tensor cores' bf16x6 and bf16x3, 64 for ieee), or of a pinned one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moeblaze_fx import ops
@@ -530,12 +533,12 @@ def test_plan_shapes_on_cuda_follow_the_dtype_and_the_options(monkeypatch, dtype
         ids = torch.empty(T, K, device="cuda", dtype=torch.int64)
         params = [torch.empty_strided(p.shape, p.stride(), device="cuda", dtype=dtype) for p in cpu]
         assert ops._use_triton(x)
-        plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[2]
+        plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, options)[2]
         assert plan[3].shape == (max_tiles(T * K, E, block_m),)
         plan = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0,
                                           "kernel_config=block_m=32")[2]
         assert plan[3].shape == (max_tiles(T * K, E, 32),)
-    with autotune.using(KernelOptions(), dtype):
+    with autotune.using(moeblaze_fx.config.decode_kernels(options), dtype):
         assert autotune.autotuning() == (dtype != torch.float32) and autotune.plan_block_m() == block_m
 
 
@@ -544,7 +547,8 @@ def test_kernel_options_argument_is_checked():
     params, layout = moeblaze_fx.layout.layout_of(ExpertParams(*split_gate_up(wgu), wd))
     with pytest.raises(ValueError, match="kernel_options: gluon must be 1, 0, true or false, got 'maybe'"):
         torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "gluon=maybe")
-    with pytest.raises(ValueError, match="names from \\['dispatch_config', 'gluon', 'kernel_config', 'replay'\\]"):
+    with pytest.raises(ValueError, match="names from \\['dispatch_config', 'float32_products', 'gluon', "
+                                         "'kernel_config', 'replay'\\]"):
         torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0, "tma=0")
     # the PyTorch path (CPU) takes the same options: they choose among kernels, never what is computed
     y0 = torch.ops.moeblaze.moe_ffn(x, ids, w, params, layout, "swiglu", "activations", 0)[0]
