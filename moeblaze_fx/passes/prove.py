@@ -39,8 +39,8 @@ __all__ = ["Proof", "region_module", "prove", "TOLERANCE", "tolerance", "traced_
 # same dtype with float32 accumulation; a wrong layout or function gives errors near 1. float32 gets 1e-4 where its
 # matrix products run in float32 (correct regions of 59 Hugging Face families measured at most 4.2e-6 on the CPU,
 # 2026-11-26), 2e-3 where they may run in TF32 or bf16 (torch.set_float32_matmul_precision below "highest", or the
-# device's fp32_precision: config.float32_matmul_reduced): a near-miss such as the tanh-approximated GELU (4e-5) or a soft-cap
-# near the identity (2e-3) must not pass where the precision allows telling it apart.
+# device's fp32_precision: config.float32_matmul_reduced): a near-miss such as the tanh-approximated GELU (4e-5) or a
+# soft-cap near the identity (2e-3) must not pass where the precision allows telling it apart.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 FLOAT32_EXACT_TOLERANCE = 1e-4
 

@@ -97,7 +97,8 @@ def test_autocast_trains_float32_weights_in_bf16_and_rewrites_every_block(monkey
     assert moeblaze["loss_rel_diff"] < 2e-2  # bf16 against bf16, in another order
     assert set(map(str, seen)) == {str((torch.bfloat16, {torch.float32}))}
     assert (result.meta["dtype"], result.meta["autocast"]) == ("float32", "bfloat16")
-    assert "dtype float32, under torch.autocast(bfloat16); torch's float32 matmul precision ieee." in result.to_markdown()
+    assert "dtype float32, under torch.autocast(bfloat16); torch's float32 matmul precision ieee." in \
+        result.to_markdown()
     with pytest.raises(ValueError, match="autocast computes in bf16 or fp16"):
         models.run_models_bench(["olmoe"], [64], tiny=True, device="cpu", dtype=torch.float32, autocast=True)
 
