@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 __all__ = ["MoEBlazeConfig", "KernelOptions", "patch", "current", "from_options", "encode_kernels", "decode_kernels",
-           "interpreting", "float32_matmul_reduced", "ENV_VAR", "FLOAT32_PRODUCTS"]
+           "interpreting", "float32_matmul_precision", "float32_matmul_reduced", "ENV_VAR", "FLOAT32_PRODUCTS"]
 
 ENV_VAR = "MOEBLAZE_OPTIONS"
 CHECKPOINT_CHOICES = ("activations", "recompute", "auto")
@@ -289,14 +289,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def float32_matmul_reduced(device_type: str) -> bool:
-    """Whether torch's own float32 matrix products on ``device_type`` may run below float32 precision (TF32 on CUDA,
-    TF32 or bf16 on the CPU's oneDNN): ``torch.set_float32_matmul_precision`` below "highest", or the backend's
+def float32_matmul_precision(device_type: str) -> str:
+    """What torch's own float32 matrix products on ``device_type`` may round to: "ieee" (float32, torch's default),
+    "tf32" (CUDA; the CPU's oneDNN too) or "bf16" (oneDNN): ``torch.set_float32_matmul_precision``, or the backend's
     ``fp32_precision``. Read through the per-backend setting, which answers whichever of torch's two APIs set it
     (``torch.get_float32_matmul_precision()`` and ``torch.backends.cuda.matmul.allow_tf32`` raise once the newer one
     has been used)."""
     backend = torch.backends.cuda.matmul if device_type == "cuda" else torch.backends.mkldnn.matmul
-    return backend.fp32_precision not in ("ieee", "none")
+    precision = backend.fp32_precision
+    return "ieee" if precision == "none" else precision
+
+
+def float32_matmul_reduced(device_type: str) -> bool:
+    """Whether torch's own float32 matrix products on ``device_type`` may run below float32 precision
+    (:func:`float32_matmul_precision`)."""
+    return float32_matmul_precision(device_type) != "ieee"
 
 
 def from_options(options: Optional[dict[str, Any]]) -> MoEBlazeConfig:

@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def float32_matmul_precision():
+    """``torch.set_float32_matmul_precision`` for the test, the precision before it restored afterwards."""
+    previous = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(previous)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     import torch._dynamo

@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..config import float32_matmul_precision
 from ..report import all_reports
 from .layer import environment, free_memory, is_oom
 from .results import JsonResult, mb_cell, number_cell
@@ -432,10 +433,8 @@ def run_models_bench(
     meta = environment(device)
     meta.update(dtype=str(weights_dtype).replace("torch.", ""),
                 autocast=None if autocast_dtype is None else str(autocast_dtype).replace("torch.", ""),
-                # what float32 products may round to (torch's and, under "auto", the operator's: config.KernelOptions;
-                # torch's "none" is the default, IEEE float32)
-                float32_matmul=(torch.backends.cuda.matmul if device.type == "cuda" else
-                                torch.backends.mkldnn.matmul).fp32_precision.replace("none", "ieee"),
+                # what float32 products may round to (torch's and, under "auto", the operator's: config.KernelOptions)
+                float32_matmul=float32_matmul_precision(device.type),
                 layers=layers, tiny=tiny, fsdp_style=fsdp_style,
                 warmup=warmup, reps=reps, seed=seed, moeblaze_options=dict(moeblaze_options or {}),
                 step="model(input_ids, labels=input_ids).loss; loss.backward(); grads reset before each step",

@@ -139,15 +139,15 @@ INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=
 # OLMoE's layer (4096, 2048, 1024, 64, 8) on an H200 (2026-11-28, kernel ms of a forward + backward step): block_k 16
 # with 3 or 4 stages 65.6 (up 25.5, down 22.4, dW 13.9); block_k 32 with 2 stages 301.9 (the up kernel 251 of it),
 # with 3 stages 351.6; 8 warps, 32- or 128-wide tiles, or 128 or 32 rows: 67.2-347.8.
+# Tensor-core products of bf16 parts: at OLMoE's layer (H200, 2026-12-01, forward + backward ms) bf16x6 128 x 128 x 32
+# tiles with 8 warps 24.2, 64 x 128 x 32 with 4 warps 23.7, 128 x 64 x 32 with 4 or 8 warps 25.8 / 27.0, 128 x 128 x 16
+# with 4 stages 28.9; bf16x3 16.6 (128 x 128 x 32, 8 warps), 18.4 (128 x 64 x 32, 4 warps). One configuration for both,
+# so that torch's TF32 setting, which picks between them, never changes the dispatch plan's tile height.
+_SPLIT_BF16_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8)
 FLOAT32_CONFIGS = {
     "ieee": KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=4, num_stages=3, group_m=8),
-    # tensor-core products of bf16 parts: at OLMoE's layer (H200, 2026-12-01, forward + backward ms) bf16x6 128 x 128 x
-    # 32 tiles with 8 warps 24.2, 64 x 128 x 32 with 4 warps 23.7, 128 x 64 x 32 with 4 or 8 warps 25.8 / 27.0,
-    # 128 x 128 x 16 with 4 stages 28.9; bf16x3 16.6 (128 x 128 x 32, 8 warps), 18.4 (128 x 64 x 32, 4 warps). One
-    # tile height for both, so that torch's TF32 setting, which picks between them, never changes the dispatch plan's
-    # shapes.
-    "bf16x6": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8),
-    "bf16x3": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3, group_m=8),
+    "bf16x6": _SPLIT_BF16_CONFIG,
+    "bf16x3": _SPLIT_BF16_CONFIG,
 }
 
 

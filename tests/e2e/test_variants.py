@@ -294,21 +294,17 @@ def test_a_clamp_of_the_ids_is_no_clamp_limit():
     assert moeblaze_fx.last_report()[0].layout.endswith("activation swiglu_clamp(limit=0.5)")
 
 
-def test_float32_proof_tolerance_follows_the_matmul_precision():
+def test_float32_proof_tolerance_follows_the_matmul_precision(float32_matmul_precision):
     from moeblaze_fx.passes.prove import tolerance
 
     cpu = torch.device("cpu")
     assert tolerance(torch.float32, cpu) == 1e-4
-    previous = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("high")
-        assert tolerance(torch.float32, cpu) == 2e-3
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    float32_matmul_precision("high")
+    assert tolerance(torch.float32, cpu) == 2e-3
     assert tolerance(torch.bfloat16, cpu) == 6e-2
 
 
-def test_a_float32_graph_is_compiled_again_when_torchs_tf32_setting_changes():
+def test_a_float32_graph_is_compiled_again_when_torchs_tf32_setting_changes(float32_matmul_precision):
     """The operator's float32 products follow torch's TF32 setting at each call (kernel option float32_products
     "auto"), and so does the tile height of the dispatch plan the compiled graph's fake shapes were traced with: that
     holds because Dynamo guards on the setting, tracing (and here rewriting) the graph again when it changes and
@@ -318,14 +314,10 @@ def test_a_float32_graph_is_compiled_again_when_torchs_tf32_setting_changes():
     torch.manual_seed(0)
     moe = torch.compile(LoopMoE(32, 64, 4, 2), backend="moeblaze", fullgraph=True)
     x = torch.randn(64, 32)
-    previous = torch.get_float32_matmul_precision()
     counters.clear()
-    try:
-        for precision in ("highest", "high", "highest"):
-            torch.set_float32_matmul_precision(precision)
-            moe(x)
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    for precision in ("highest", "high", "highest"):
+        float32_matmul_precision(precision)
+        moe(x)
     assert dict(counters["moeblaze"]) == {"rewritten": 2}
 
 

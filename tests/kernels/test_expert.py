@@ -736,7 +736,8 @@ def test_pinned_config():
 
 
 @pytest.mark.parametrize("products", ["auto", "bf16x6", "bf16x3", "ieee"])
-def test_float32_on_the_gpu_takes_one_fixed_config_per_way_of_multiplying(monkeypatch, products):
+def test_float32_on_the_gpu_takes_one_fixed_config_per_way_of_multiplying(monkeypatch, products,
+                                                                           float32_matmul_precision):
     # float32 operands launch the configuration of the way they are multiplied (autotune.FLOAT32_CONFIGS), never the
     # tuner's 16-bit candidates, and their dots take that way as input precision; "auto" follows torch's float32
     # matmul precision at the call: bf16x6 at "highest", bf16x3 where torch allows TF32. A pinned configuration still
@@ -747,17 +748,14 @@ def test_float32_on_the_gpu_takes_one_fixed_config_per_way_of_multiplying(monkey
     opts = KernelOptions(float32_products=products)
     for precision, auto in (("highest", "bf16x6"), ("high", "bf16x3")):
         want = auto if products == "auto" else products
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(precision)
-        try:
-            with autotune.using(opts, torch.float32):
-                cfg = autotune.FLOAT32_CONFIGS[want]
-                assert not autotune.autotuning() and plan_block_m() == cfg.block_m
-                assert autotune.dweights_chunk() == cfg.block_n // 2
-                assert autotune.float32_products() == dot_precision(torch.float32) == want
-                assert dot_precision(torch.bfloat16) == "tf32"  # (16-bit operands: ignored)
-        finally:
-            torch.set_float32_matmul_precision(previous)
+        float32_matmul_precision(precision)
+        with autotune.using(opts, torch.float32):
+            cfg = autotune.FLOAT32_CONFIGS[want]
+            assert not autotune.autotuning() and plan_block_m() == cfg.block_m
+            assert autotune.dweights_chunk() == cfg.block_n // 2
+            assert autotune.float32_products() == dot_precision(torch.float32) == want
+            assert dot_precision(torch.bfloat16) == "tf32"  # (16-bit operands: ignored)
+    float32_matmul_precision("highest")
     # bf16x6 and bf16x3 share a tile height: torch's TF32 setting never changes the dispatch plan's shapes
     assert autotune.FLOAT32_CONFIGS["bf16x6"].block_m == autotune.FLOAT32_CONFIGS["bf16x3"].block_m
     with autotune.using(KernelOptions(), torch.bfloat16):

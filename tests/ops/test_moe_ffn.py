@@ -258,7 +258,7 @@ def test_triton_path_replays_match_the_orchestrated_calls(triton_path, checkpoin
             assert torch.equal(a, b)
 
 
-def test_triton_path_records_each_way_of_multiplying_float32_apart(triton_path):
+def test_triton_path_records_each_way_of_multiplying_float32_apart(triton_path, float32_matmul_precision):
     """A float32 call's program is recorded under the way its products run (kernel option float32_products, "auto"
     resolved from torch's float32 matmul precision at the call): the same call after torch.set_float32_matmul_precision
     changes from "highest" (bf16x6) to "high" (bf16x3) is recorded again, not replayed from the record of the other way,
@@ -270,16 +270,12 @@ def test_triton_path_records_each_way_of_multiplying_float32_apart(triton_path):
     _, _, _, wgu, wd = _inputs(T, d, h, E, K, dtype=torch.float32)
 
     def steps(precision, seeds):
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(precision)
-        try:
-            before = program.stats()
-            for seed in seeds:
-                x, ids, w, gy = _step_tokens(T, d, E, K, seed)
-                torch.autograd.grad(moe_ffn(x, ids, w, (wgu, wd)), (x, w, wgu, wd), gy)
-            after = program.stats()
-        finally:
-            torch.set_float32_matmul_precision(previous)
+        float32_matmul_precision(precision)
+        before = program.stats()
+        for seed in seeds:
+            x, ids, w, gy = _step_tokens(T, d, E, K, seed)
+            torch.autograd.grad(moe_ffn(x, ids, w, (wgu, wd)), (x, w, wgu, wd), gy)
+        after = program.stats()
         return {k: after[k] - before[k] for k in ("recorded", "replayed")}
 
     # each backward operator: its first call runs, its second is recorded, later ones replay

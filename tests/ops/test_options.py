@@ -109,13 +109,9 @@ def test_environment_override_syntax():
 
 @pytest.mark.parametrize("precision,cuda,cpu", [("highest", False, False), ("high", True, True),
                                                 ("medium", True, True)])
-def test_float32_matmul_reduced_follows_torchs_precision(precision, cuda, cpu):
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        assert (config.float32_matmul_reduced("cuda"), config.float32_matmul_reduced("cpu")) == (cuda, cpu)
-    finally:
-        torch.set_float32_matmul_precision(previous)
+def test_float32_matmul_reduced_follows_torchs_precision(precision, cuda, cpu, float32_matmul_precision):
+    float32_matmul_precision(precision)
+    assert (config.float32_matmul_reduced("cuda"), config.float32_matmul_reduced("cpu")) == (cuda, cpu)
 
 
 def test_environment_override_sets_the_process_defaults():
