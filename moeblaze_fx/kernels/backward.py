@@ -276,7 +276,7 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
         return dx, None, None, None, None
     if phase == "dw":
         return None, None, d_gate_bias, d_up_bias, None
-    dweights = routing_weight_grad(part, bias_rows + num_chunks, plan.slot_of, T, K, weights.dtype)
+    dweights = routing_weight_grad(part, bias_rows + num_chunks, plan, T, K, weights.dtype)
     if phase == "act":
         return dpre, dweights, None, None, d_down_bias
     return dx, dweights, d_gate_bias, d_up_bias, d_down_bias

@@ -1097,22 +1097,35 @@ def test_host_descriptors_take_the_launch_block():
 
 def test_routing_weight_grad_sums_each_pairs_partials_in_row_order():
     """dweights[t, k] = the fp32 sum over rows r < ``rows`` of part[r, slot_of[t*K + k]], in r order, cast once to the
-    weights' dtype (bitwise a sequential sum); 0 for an unrouted pair (slot -1); rows past ``rows`` are not read;
-    several programs' blocks of pairs."""
+    weights' dtype (bitwise a sequential sum); 0 for an unrouted pair (slot -1); rows past ``rows`` and the unrouted
+    slots (past offsets[E]) are not read; several programs' blocks of slots. rows = 21 is one block of the kernel's
+    16 rows and a ragged one; rows = 5 a ragged block alone."""
+    from moeblaze_fx.kernels.reference import DispatchPlan
     from moeblaze_fx.kernels.triton.combine import routing_weight_grad
 
-    T, K, rows = 300, 3, 5
+    T, K = 300, 3
+    N = T * K
     g = torch.Generator().manual_seed(0)
-    part = torch.randn(rows + 2, T * K, generator=g)
-    part[rows:] = float("nan")  # spare rows: never read
-    slot_of = torch.randperm(T * K, generator=g).to(torch.int32)
-    slot_of[::7] = -1
-    got = routing_weight_grad(part, rows, slot_of, T, K, torch.float16)
-    want = torch.zeros(T * K)
-    for r in range(rows):
-        want = want + part[r, slot_of.clamp(min=0).long()]
-    want[slot_of < 0] = 0
-    assert got.dtype == torch.float16 and got.shape == (T, K)
-    assert torch.equal(got, want.view(T, K).half())
-    assert torch.equal(routing_weight_grad(part, 0, slot_of, T, K, torch.float32), torch.zeros(T, K))
-    assert routing_weight_grad(part[:, :0], rows, slot_of[:0], 0, K, torch.float32).shape == (0, K)
+    unrouted = torch.zeros(N, dtype=torch.bool)
+    unrouted[::7] = True
+    routed_pairs = torch.nonzero(~unrouted).flatten()
+    R = routed_pairs.numel()
+    token_index = torch.cat([routed_pairs[torch.randperm(R, generator=g)], torch.nonzero(unrouted).flatten()])
+    slot_of = torch.full((N,), -1, dtype=torch.int32)
+    slot_of[token_index[:R]] = torch.arange(R, dtype=torch.int32)
+    offsets = torch.tensor([0, 100, 400, R], dtype=torch.int32)  # E = 3
+    plan = DispatchPlan(offsets, token_index.to(torch.int32), slot_of, torch.empty(0), torch.empty(0))
+    for rows in (21, 5):
+        part = torch.randn(rows + 2, N, generator=g)
+        part[rows:] = float("nan")  # spare rows: never read
+        part[:, R:] = float("nan")  # the unrouted slots: never read
+        got = routing_weight_grad(part, rows, plan, T, K, torch.float16)
+        want = torch.zeros(N)
+        for r in range(rows):
+            want = want + part[r, slot_of.clamp(min=0).long()]
+        want[slot_of < 0] = 0
+        assert got.dtype == torch.float16 and got.shape == (T, K)
+        assert torch.equal(got, want.view(T, K).half())
+    assert torch.equal(routing_weight_grad(part, 0, plan, T, K, torch.float32), torch.zeros(T, K))
+    empty = DispatchPlan(offsets[:1], token_index[:0].to(torch.int32), slot_of[:0], torch.empty(0), torch.empty(0))
+    assert routing_weight_grad(part[:, :0], 5, empty, 0, K, torch.float32).shape == (0, K)
