@@ -16,9 +16,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_eager_and_compiled(model: torch.nn.Module, inputs: tuple, *, options=None, loss=None, dtype=torch.float32,
-                           fullgraph=True, tol=None):
+                           fullgraph=True, tol=None, seed=None):
     """Forward + backward eagerly and under backend="moeblaze"; assert equal within tolerance (``tol``, else
-    ``TOL[dtype]``). Returns the moeblaze counters of the compile."""
+    ``TOL[dtype]``). ``seed``: torch's generator is seeded with it before each step (a model that samples).
+    Returns the moeblaze counters of the compile."""
     loss = loss or (lambda out: (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape)).sum())
     params = [p for p in model.parameters() if p.requires_grad]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -26,6 +27,8 @@ def run_eager_and_compiled(model: torch.nn.Module, inputs: tuple, *, options=Non
     def step(fn):
         for t in params + leaves:
             t.grad = None
+        if seed is not None:
+            torch.manual_seed(seed)
         out = fn(*inputs)
         out = getattr(out, "logits", out)  # a transformers model output
         # more than one output (the MoE output and an auxiliary loss, or the routing): every float one is in the loss

@@ -150,6 +150,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            tiny=dict(_TINY_ATTN, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=8,
                      num_experts_per_tok=1),
            all_moe=dict(interleave_moe_layer_step=1)),
+    Family("phimoe", "PhimoeConfig", "microsoft/Phi-3.5-MoE-instruct",
+           real=dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_local_experts=16,
+                     num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8, router_jitter_noise=0.01),
+           tiny=dict({k: v for k, v in _TINY_ATTN.items() if k != "head_dim"}, intermediate_size=32,
+                     num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.01),
+           all_moe={},
+           note="sparsemixer routing: in training each of the two experts is sampled (Gumbel) from its own maximum"),
 ]}
 
 MODEL_PROVIDERS = ("eager", "inductor", "moeblaze")

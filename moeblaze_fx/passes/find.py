@@ -1,7 +1,8 @@
 """Step 2: find candidate expert regions.
 
-A candidate starts at a ``topk`` whose indices (the expert ids) feed a dispatch. Its region is the
-expert computation, bounded by meaning rather than by spelling:
+A candidate starts at a ``topk`` whose indices (the expert ids) feed a dispatch, or at ids made of top-1 picks side by
+side, which the normalizer gives the same role (PhiMoE's sparsemixer: no top-k, one maximum for each expert). Its
+region is the expert computation, bounded by meaning rather than by spelling:
 
 * its **output** is the immediate post-dominator of the ids: the first node that every path from the
   ids to the graph's output passes through. However the experts are spelled (a sort and grouped
@@ -205,6 +206,8 @@ def _side_uses(ids: fx.Node, exit_node: fx.Node, asserts: set[fx.Node]
 
 
 def _ids_of(topk: fx.Node) -> Optional[fx.Node]:
+    if canonical_name(topk) != "topk":  # top-1 picks side by side (the normalizer's): the node is the ids
+        return topk
     for user in topk.users:
         if canonical_name(user) == "getitem" and user.args[1] == 1:
             return user

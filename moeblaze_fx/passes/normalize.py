@@ -6,7 +6,8 @@ Two things happen here, both driven by the tables below (a new spelling is a new
   (``"topk"``, ``"dispatch"``, ``"grouped_mm"``, ``"matmul"``, ``"combine"``, ``"running_count"``,
   ``"compare"``, ``"attention"``, ``"collective"``, ``"assert"``, or ``None``), whatever its spelling: a function, a method, an
   aten overload or a library's custom op. Eager attention has no op of its own: its softmax takes the role
-  where the probabilities weigh a matrix product.
+  where the probabilities weigh a matrix product. Expert ids picked one by one (top-1 indices of maxima, kept
+  last dim, concatenated along it) take the role ``"topk"`` themselves.
 * **Functional form.** In-place updates of freshly made tensors (``out.index_add_(...)``,
   ``inv[perm] = arange``, ``w /= s``) become their out-of-place forms, and later readers of the
   mutated tensor read the new value instead. Data flow is then visible in the def-use edges, which
@@ -189,8 +190,49 @@ def _weighs_a_product(node: fx.Node) -> bool:
     return False
 
 
+def _arg(node: fx.Node, i: int, key: str, default: Any = None) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(key, default)
+
+
+def _last_dim(node: fx.Node, dim: Any) -> bool:
+    value = example_value(node)
+    return isinstance(dim, int) and isinstance(value, torch.Tensor) and dim in (-1, value.dim() - 1)
+
+
+def _top1_pick(node: fx.Node) -> bool:
+    """The indices of a maximum over the last dim, that dim kept: ``x.max(-1, keepdim=True)[1]``,
+    ``x.argmax(-1, keepdim=True)``, or either without ``keepdim`` and then ``unsqueeze(-1)``."""
+    if canonical_name(node) == "unsqueeze":
+        inner, dim = node.args[0], _arg(node, 1, "dim")
+        return isinstance(inner, fx.Node) and _last_dim(node, dim) and _top1_pick_of(inner, keep=False)
+    return _top1_pick_of(node, keep=True)
+
+
+def _top1_pick_of(node: fx.Node, keep: bool) -> bool:
+    name = canonical_name(node)
+    if name == "getitem" and node.args[1] == 1 and isinstance(node.args[0], fx.Node):
+        node, name = node.args[0], canonical_name(node.args[0])
+        if name != "max":
+            return False
+    elif name != "argmax":
+        return False
+    source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    return source is not None and _last_dim(source, _arg(node, 1, "dim")) and bool(_arg(node, 2, "keepdim")) == keep
+
+
+def _stacked_picks(node: fx.Node) -> bool:
+    """Expert ids made of top-1 picks side by side (``cat`` along the last dim): PhiMoE's sparsemixer picks each of
+    its two experts with its own (Gumbel-sampled) maximum."""
+    parts = _arg(node, 0, "tensors")
+    return (canonical_name(node) in ("cat", "concat", "concatenate") and isinstance(parts, (list, tuple))
+            and len(parts) > 1 and _last_dim(node, _arg(node, 1, "dim", 0))
+            and all(isinstance(p, fx.Node) and _top1_pick(p) for p in parts))
+
+
 def _role_of(node: fx.Node) -> Optional[str]:
     name = canonical_name(node)
+    if _stacked_picks(node):
+        return "topk"  # its own ids
     if name in ASSERT_NAMES:
         return "assert"
     if is_collective(node):

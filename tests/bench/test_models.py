@@ -27,6 +27,7 @@ REAL_SIZES = [
     ("glm4_moe", "n_routed_experts", 128, 8),
     ("qwen2_moe", "num_experts", 60, 4),
     ("llama4", "num_local_experts", 16, 1),
+    ("phimoe", "num_local_experts", 16, 2),
 ]
 
 
@@ -62,8 +63,9 @@ def test_every_family_builds_and_steps_at_tiny_size(family):
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in experts.parameters())
 
 
-# gpt-oss: biases and the clamped SwiGLU; deepseek_v3: group-limited routing and a shared expert beside the region.
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+# gpt-oss: biases and the clamped SwiGLU; deepseek_v3: group-limited routing and a shared expert beside the region;
+# phimoe: ids from two sampled top-1 picks.
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "phimoe"])
 def test_every_moe_block_is_rewritten(family):
     result = models.run_models_bench([family], [64], layers=2, seq=32, tiny=True, providers=("eager", "moeblaze"),
                                      device="cpu", warmup=1, reps=2, moeblaze_options=NO_INDUCTOR, progress=False)

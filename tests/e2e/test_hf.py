@@ -133,6 +133,8 @@ _FAMILY_CONFIGS = {
                  "Inkling2ForCausalLM"),
     "inkling": ("InklingTextConfig", dict(COMMON | dict(num_key_value_heads=4), head_dim=8, moe_intermediate_size=24,
                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1), "InklingForCausalLM"),
+    "phimoe": ("PhimoeConfig", dict(COMMON, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
+               "PhimoeForCausalLM"),
 }
 
 
@@ -185,6 +187,18 @@ def test_inkling_routed_experts_are_rewritten_beside_jointly_normalized_shared_e
     experts stay in the graph."""
     model = build_family("inkling", impl)
     assert run_eager_and_compiled(model, (_tokens(),)) == {"rewritten": LAYERS}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_phimoe_sparsemixer_picks_are_rewritten(impl, training):
+    """PhiMoE's sparsemixer has no top-k: it picks each of its two experts with a maximum of its own (in training,
+    of Gumbel-perturbed scores, the second with the first masked out) and puts the two picks side by side. Those ids
+    anchor the region (left alone before: no candidate). Seeded alike, eager and compiled sample the same experts."""
+    model = build_family("phimoe", impl).train(training)
+    assert model.config.router_jitter_noise > 0  # the sampling's threshold, the checkpoint's default
+    assert run_eager_and_compiled(model, (_tokens(),), seed=3) == {"rewritten": LAYERS}
+    assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
 
 
 def test_llama4_weights_on_the_tokens_are_rewritten():

@@ -203,3 +203,23 @@ def test_an_update_made_functional_keeps_its_dtype():
     got, want = gm(x, scale)[0], updates_with_a_wider_dtype(x, scale)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def picks(x, w):
+    """Expert ids as top-1 picks side by side (PhiMoE's sparsemixer), and spellings that are no such ids."""
+    s = x @ w
+    first = s.max(dim=-1)[1].unsqueeze(-1)
+    second = s.scatter(-1, first, float("-inf")).max(-1, keepdim=True)[1]
+    third = s.argmax(-1, keepdim=True)
+    ids = torch.cat((first, second, third), dim=-1)  # ids
+    by_row = torch.cat((first, second), dim=0)  # along the tokens: no
+    values = torch.cat((s.max(-1, keepdim=True)[0], s.max(-1, keepdim=True)[0]), -1)  # the maxima, not their indices
+    unkept = torch.cat((s.argmax(-1), s.argmax(-1)), -1)  # the last dim not kept: [2T]
+    over_tokens = torch.cat((s.argmax(0, keepdim=True), s.argmax(0, keepdim=True)), -1)  # a maximum over the tokens
+    return ids.sum() + by_row.sum() + values.sum() + unkept.sum() + over_tokens.sum()
+
+
+def test_top1_picks_side_by_side_are_ids():
+    gm = normalize(_graph(picks, torch.randn(6, 4), torch.randn(4, 5)))
+    assert [(n.name, canonical) for n in gm.graph.nodes if role(n) == "topk"
+            for canonical in [str(n.target.__name__)]] == [("ids", "cat")]
