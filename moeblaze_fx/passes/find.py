@@ -751,7 +751,9 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
     With K = 1 a token's one expert output is already [T, d], before the routing weight is applied (HF
     ``batched_mm``: ``out * w.unsqueeze(-1)`` after the products). The walk then goes on to the first point whose
     region reads a weight-sized [T] float from outside, as long as the nodes it adds read no other [T, d] float
-    (a residual) from outside."""
+    (a residual) from outside; not where the region already computes the weights from the ids and reads them
+    (ZAYA's, gathered by id and masked where the id is its skip expert): a [d] parameter read after the combine
+    would pass for a weight where T = d."""
     T = _num_tokens(ids)
     node = ipdom[ids]
     while node.op != "output":
@@ -760,7 +762,8 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
             if same_size(val.numel(), T * val.shape[-1]):
                 body = _body(ids, node, asserts)
                 if any(role(n) in ("grouped_mm", "matmul") for n in body):
-                    if example_value(ids).shape[-1] == 1 and not _reads_weights(body, T):
+                    if example_value(ids).shape[-1] == 1 and not _reads_weights(body, T) and \
+                            not _weight_members(body, ids)[1]:
                         return _weighted_point(ids, node, body, ipdom, asserts, T)
                     return node, body
         node = ipdom[node]

@@ -133,6 +133,8 @@ _FAMILY_CONFIGS = {
                  "Inkling2ForCausalLM"),
     "inkling": ("InklingTextConfig", dict(COMMON | dict(num_key_value_heads=4), head_dim=8, moe_intermediate_size=24,
                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1), "InklingForCausalLM"),
+    "zaya": ("ZayaConfig", dict(COMMON, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=1,
+             router_hidden_size=16), "ZayaForCausalLM"),
     "phimoe": ("PhimoeConfig", dict(COMMON, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
                "PhimoeForCausalLM"),
 }
@@ -198,6 +200,17 @@ def test_phimoe_sparsemixer_picks_are_rewritten(impl, training):
     model = build_family("phimoe", impl).train(training)
     assert model.config.router_jitter_noise > 0  # the sampling's threshold, the checkpoint's default
     assert run_eager_and_compiled(model, (_tokens(),), seed=3) == {"rewritten": LAYERS}
+    assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
+
+
+@pytest.mark.parametrize("tokens", [14, 32], ids=["T!=d", "T=d"])
+def test_zaya_top1_weights_computed_in_the_region(tokens):
+    """ZAYA (top-1) gathers its weights by id and zeroes those of its skip expert inside the region. With T = d = 32
+    the region once ran on past the combine into the residual scaling, whose [d] bias passed for the [T] routing
+    weights, and was left alone."""
+    model = build_family("zaya", "grouped_mm")
+    ids = torch.randint(0, 64, (2, tokens // 2), generator=torch.Generator().manual_seed(1))
+    assert run_eager_and_compiled(model, (ids,)) == {"rewritten": LAYERS}
     assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
 
 
