@@ -179,9 +179,11 @@ def expert_backward(grad_y: Tensor, x: Tensor, weights: Tensor, w: ExpertTables,
     # Rows of the routing-weight partials: first the <dy, b_down> ones (one per column block of d), then the
     # <dH', H> chunks, then spare chunks a program's columns may run into.
     bias_rows = triton.cdiv(d, tdw.bias_grad_block_n(d)) if down_bias is not None and d > 0 else 0
-    # The routing-weight gradient's partial sums, by slot (zero where no program adds one)
-    part = torch.zeros((bias_rows + num_chunks + tdh.MAX_BLOCK_N // chunk, N), dtype=torch.float32,
-                       device=x.device) if act_phase else None
+    # The routing-weight gradient's partial sums, by slot (zero where no program adds one). Rows a multiple of 16
+    # apart whatever N: the kernels writing and reading them are specialized on that stride, and a stride of N
+    # compiled them again for each new residue of the token count (tests/kernels/test_launch.py)
+    part = torch.zeros((bias_rows + num_chunks + tdh.MAX_BLOCK_N // chunk, -(-N // 16) * 16), dtype=torch.float32,
+                       device=x.device)[:, :N] if act_phase else None
     d_down_bias = None
     if down_bias is not None and act_phase:  # d_down_bias[e] = sum_s w_s dy[tok_s]; <dy[tok_s], b_down[e]> in part
         d_down_bias = tdw.bias_grad(grad_y, True, weights, plan, K, E, dot_bias=down_bias, part=part)
