@@ -266,7 +266,7 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             continue  # no matrix product follows, here or after a break (a load-balancing loss's top-k): not an MoE
         cand = Candidate(topk=topk, ids=ids, quiet=all(canonical_name(u) == "scatter" for u in ids.users))
         candidates.append(cand)
-        out, body = _combine_point(graph, ids, ipdom, order, asserts)
+        out, body = _combine_point(graph, ids, ipdom, order, asserts, static)
         if out is None:
             # the ids may also be used beside the experts (an auxiliary loss, the ids returned), on a path to the
             # output that meets no expert output: look again without those uses. (With a meeting point found, no
@@ -275,9 +275,9 @@ def find_candidates(gm: fx.GraphModule, params: set[fx.Node]) -> list[Candidate]
             if side or any(n in quiet for n in exit_node.all_input_nodes):
                 ids_ipdom = collections.ChainMap({}, ipdom)
                 _fill_post_dominators(reversed([ids] + span), ids_ipdom, order, exit_node, asserts | side, quiet)
-                out, body = _combine_point(graph, ids, ids_ipdom, order, asserts)
+                out, body = _combine_point(graph, ids, ids_ipdom, order, asserts, static)
         rerouted = out is not None and len(_weight_members(body, ids)[1]) > 1 and _routes_meet(
-            graph, ids, ipdom, order, asserts, exit_node)
+            graph, ids, ipdom, order, asserts, exit_node, static)
         if rerouted:
             # the router's weights, computed from the ids, feed more than the experts (shared experts' gammas
             # normalized with the routed weights, Inkling's): the expert routes alone meet earlier
@@ -744,7 +744,7 @@ def _body(ids: fx.Node, out: fx.Node, asserts: set[fx.Node]) -> set[fx.Node]:
     return {out} | _reach([out], _inputs, _computed_from(ids, out, asserts) - {ids})
 
 
-def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node], set[fx.Node]]:
+def _combine_point(graph, ids, ipdom, order, asserts, static) -> tuple[Optional[fx.Node], set[fx.Node]]:
     """Walk up the post-dominators of ids to the first float [T, ...] tensor with an expert product
     behind it: where the per-expert routes meet again, after the reduction over the K choices.
 
@@ -753,7 +753,7 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
     region reads a weight-sized [T] float from outside, as long as the nodes it adds read no other [T, d] float
     (a residual) from outside; not where the region already computes the weights from the ids and reads them
     (ZAYA's, gathered by id and masked where the id is its skip expert): a [d] parameter read after the combine
-    would pass for a weight where T = d."""
+    would pass for a weight where T = d. Values of ``static`` (computed from parameters alone) are never weights."""
     T = _num_tokens(ids)
     node = ipdom[ids]
     while node.op != "output":
@@ -762,28 +762,32 @@ def _combine_point(graph, ids, ipdom, order, asserts) -> tuple[Optional[fx.Node]
             if same_size(val.numel(), T * val.shape[-1]):
                 body = _body(ids, node, asserts)
                 if any(role(n) in ("grouped_mm", "matmul") for n in body):
-                    if example_value(ids).shape[-1] == 1 and not _reads_weights(body, T) and \
+                    if example_value(ids).shape[-1] == 1 and not _reads_weights(body, T, static) and \
                             not _weight_members(body, ids)[1]:
-                        return _weighted_point(ids, node, body, ipdom, asserts, T)
+                        return _weighted_point(ids, node, body, ipdom, asserts, T, static)
                     return node, body
         node = ipdom[node]
     return None, set()
 
 
-def _outside_floats(body: set[fx.Node], readers: Optional[set[fx.Node]] = None) -> Iterable[torch.Tensor]:
-    """The float tensors from outside ``body`` that its nodes (those of ``readers``, when given) read."""
+def _outside_floats(body: set[fx.Node], readers: Optional[set[fx.Node]] = None,
+                    skip: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> Iterable[torch.Tensor]:
+    """The float tensors from outside ``body`` (and not in ``skip``) that its nodes (those of ``readers``, when
+    given) read."""
     for n in body if readers is None else readers:
         for i in n.all_input_nodes:
             val = example_value(i)
-            if i not in body and isinstance(val, torch.Tensor) and val.is_floating_point():
+            if i not in body and i not in skip and isinstance(val, torch.Tensor) and val.is_floating_point():
                 yield val
 
 
-def _reads_weights(body: set[fx.Node], T) -> bool:
-    return any(same_size(v.numel(), T) for v in _outside_floats(body))
+def _reads_weights(body: set[fx.Node], T, static: set[fx.Node]) -> bool:
+    """Whether ``body`` reads a [T]-sized float from outside that is not computed from parameters alone (an expert
+    bias ``[E, d]`` has T's size where T = E·d)."""
+    return any(same_size(v.numel(), T) for v in _outside_floats(body, skip=static))
 
 
-def _weighted_point(ids, first, first_body, ipdom, asserts, T) -> tuple[fx.Node, set[fx.Node]]:
+def _weighted_point(ids, first, first_body, ipdom, asserts, T, static) -> tuple[fx.Node, set[fx.Node]]:
     """For K = 1: the first post-dominator after ``first`` whose region reads the routing weights, or ``first``
     when the walk meets a node reading another [T, d] float from outside first."""
     d = example_value(first).shape[-1]
@@ -795,7 +799,7 @@ def _weighted_point(ids, first, first_body, ipdom, asserts, T) -> tuple[fx.Node,
         body = _body(ids, node, asserts)
         if any(same_size(v.numel(), T * d) for v in _outside_floats(body, body - first_body)):
             break
-        if _reads_weights(body, T):
+        if _reads_weights(body, T, static):
             return node, body
         node = ipdom[node]
     return first, first_body
@@ -831,7 +835,7 @@ def _push_out_weights(body: set[fx.Node], ids: fx.Node) -> None:
         body.difference_update(members)
 
 
-def _routes_meet(graph, ids, ipdom, order, asserts, exit_node) -> Optional[tuple[fx.Node, set[fx.Node]]]:
+def _routes_meet(graph, ids, ipdom, order, asserts, exit_node, static) -> Optional[tuple[fx.Node, set[fx.Node]]]:
     """The combine point of the ids' routes to the experts alone: post-dominators from the ids on, the router's
     weight computation (:func:`_weight_members` over everything computed from the ids) left out of the ids' paths.
     None when those routes meet nowhere, or where the region found reads more than one of the weights' nodes. The
@@ -841,7 +845,7 @@ def _routes_meet(graph, ids, ipdom, order, asserts, exit_node) -> Optional[tuple
     span = list(_between(ids, exit_node))[:-1]
     routes_ipdom = collections.ChainMap({}, ipdom)
     _fill_post_dominators(reversed([ids] + span), routes_ipdom, order, exit_node, asserts | members)
-    out, body = _combine_point(graph, ids, routes_ipdom, order, asserts)
+    out, body = _combine_point(graph, ids, routes_ipdom, order, asserts, static)
     if out is None:
         return None
     members, read = _weight_members(body, ids)
