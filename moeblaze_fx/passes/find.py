@@ -542,12 +542,21 @@ def _split_reason(compiled_because) -> str:
     op = op.group(1) if op else ""
     cause, fix = _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind) or (
         f"Dynamo stopped tracing there ({kind})", "see why with TORCH_LOGS=graph_breaks and change that line")
-    if os.sep + "transformers" + os.sep in frame.filename:
+    if _takes_experts_implementation(frame.filename):
         fix = _TRANSFORMERS_FIX  # a library's own loop: choose its implementation rather than edit it
     code = f" (`{frame.line.strip()}`)" if frame.line else ""
     return (f"Dynamo split this MoE block at {short_path(f'{frame.filename}:{frame.lineno}')}{code}: "
             f"{cause.format(op=op)}, so the graph ends there and the experts run in other graphs. "
             f"{fix[0].upper()}{fix[1:]}")
+
+
+def _takes_experts_implementation(filename: str) -> bool:
+    """Whether ``filename`` is a transformers model's module whose experts take an implementation (decorated with
+    ``use_experts_implementation``). JetMoE's and DBRX's, for example, have their own loop and no other."""
+    if os.sep + "transformers" + os.sep not in filename:
+        return False
+    module = next((m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == filename), None)
+    return module is not None and hasattr(module, "use_experts_implementation")
 
 
 # Dynamo's note when a graph break inside a loop makes it run the whole frame eagerly (torch 2.11-2.13)

@@ -214,6 +214,36 @@ def test_zaya_top1_weights_computed_in_the_region(tokens):
     assert [r.status for r in moeblaze_fx.last_report()] == ["rewritten"] * LAYERS
 
 
+def _jetmoe() -> torch.nn.Module:
+    if not hasattr(transformers, "JetMoeConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no JetMoE")
+    cfg = transformers.JetMoeConfig(**COMMON, kv_channels=8, intermediate_size=24, num_local_experts=8,
+                                    num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return transformers.JetMoeForCausalLM(cfg).float()
+
+
+def test_jetmoe_split_at_its_counts_is_reported_with_the_dynamo_fix():
+    """JetMoE's experts (its own loop, no experts implementation to choose) split the sorted rows by
+    ``counts.tolist()``: Dynamo breaks there, and the report gives Dynamo's fix, not ``experts_implementation``."""
+    got = run_eager_and_compiled(_jetmoe(), (_tokens(),), fullgraph=False)
+    assert got == {"skipped": 1}  # one router graph serves both layers
+    (record,) = [r for graph in moeblaze_fx.report.all_reports() for r in graph if r.status == "skipped"]
+    assert record.reason.startswith("Dynamo split this MoE block at transformers/models/jetmoe/modeling_jetmoe.py:")
+    assert "Set torch._dynamo.config.capture_scalar_outputs = True" in record.reason
+    assert "experts_implementation" not in record.reason
+
+
+@pytest.mark.parametrize("how", ["capture_scalar_outputs", "fullgraph"])
+def test_jetmoe_with_its_counts_in_the_graph_is_rewritten(how):
+    """The fix the report gives: with the counts kept as unbacked sizes the block is one sort + split + index_add
+    loop, rewritten in both layers."""
+    with torch._dynamo.config.patch(capture_scalar_outputs=how == "capture_scalar_outputs"):
+        got = run_eager_and_compiled(_jetmoe(), (_tokens(),), fullgraph=how == "fullgraph")
+    assert got == {"rewritten": LAYERS}
+    assert [r.idiom for r in moeblaze_fx.last_report()] == ["per-expert loop [sort+split+index_add]"] * LAYERS
+
+
 def test_llama4_weights_on_the_tokens_are_rewritten():
     """Llama 4 runs every expert on every token scaled by its router score, sigmoid(top value) for the chosen expert
     and 0 for the others: rewritten as the operator on the weighted tokens, the top-1 expert's only."""
