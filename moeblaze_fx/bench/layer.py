@@ -427,8 +427,12 @@ def _build_moeblaze(policy: str, budget: int | None = None):
     def build(device: torch.device, dtype: torch.dtype):
         from .. import ops
 
-        uses_triton = ops._use_triton(torch.empty(0, device=device, dtype=dtype))
-        note = "Triton kernels" if uses_triton else "plain-PyTorch path"
+        probe = torch.empty(0, device=device, dtype=dtype)
+        note = "plain-PyTorch path"
+        if ops._use_triton(probe):
+            from ..kernels.sm90 import common as sm90
+
+            note = "Triton and sm_90 Gluon kernels" if sm90.takes(probe) else "Triton kernels"
         if budget is not None:
             note += f", transient_budget {budget >> 20} MiB"
         return _moeblaze_layer(policy, budget), note

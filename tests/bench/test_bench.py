@@ -67,6 +67,20 @@ def test_hf_provider_says_it_uses_the_fallback_on_cpu(all_providers):
     assert "torch.compile" in notes["hf-grouped-mm-compiled"]
 
 
+@pytest.mark.parametrize("triton,gluon,note", [
+    (False, False, "plain-PyTorch path"), (True, False, "Triton kernels"),
+    (True, True, "Triton and sm_90 Gluon kernels")])
+def test_moeblaze_provider_names_its_kernels(monkeypatch, triton, gluon, note):
+    """The row's note says which kernels run: the sm_90 Gluon kernels where the device and Triton take them."""
+    from moeblaze_fx.kernels.sm90 import common as sm90
+
+    monkeypatch.setattr(ops, "_use_triton", lambda t: triton)
+    monkeypatch.setattr(sm90, "takes", lambda t: gluon)
+    cpu = torch.device("cpu")
+    assert layer.PROVIDERS["moeblaze-activations"].build(cpu, torch.float32)[1] == note
+    assert layer.PROVIDERS["moeblaze-lowmem"].build(cpu, torch.float32)[1] == f"{note}, transient_budget 128 MiB"
+
+
 def test_hf_grouped_mm_path_with_torch_grouped_mm():
     # The bench takes torch._grouped_mm on CUDA only; where this torch runs it on the CPU, check the same
     # data flow (offsets, transposed expert weights, an expert with no rows) against the reference here.
