@@ -521,6 +521,16 @@ _BREAK_ADVICE = {
 }
 
 
+# A Dynamo break at a ``for`` line it gives no other reason for ("step_unsupported", or a data-dependent expression
+# with capture_scalar_outputs): the loop iterates a tensor whose length is the data's (HF's ``expert_hit``).
+_LOOP_ADVICE = (
+    "a Python loop over a tensor whose length depends on the data (the experts hit) cannot be traced",
+    "loop over range(E) instead, each expert taking its rows with torch.where(ids == e) (an expert without rows "
+    "then computes empty products), and set torch._dynamo.config.capture_dynamic_output_shape_ops = True (or "
+    "compile with fullgraph=True) for the where",
+)
+
+
 def _compile_reason(gm: fx.GraphModule):
     """Why Dynamo ended this graph (its ``GraphCompileReason``: message, user stack, whether it was a
     graph break), or None outside Dynamo. Dynamo sets it on the module it hands the backend, and the
@@ -541,7 +551,10 @@ def _split_reason(compiled_because) -> str:
     op = re.search(r"Operator `([^`]+)`", message)
     op = op.group(1) if op else ""
     cause, fix = _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind) or (
-        f"Dynamo stopped tracing there ({kind})", "see why with TORCH_LOGS=graph_breaks and change that line")
+        _LOOP_ADVICE if frame.line and frame.line.lstrip().startswith("for ") else (
+            f"Dynamo stopped tracing there ({kind})", "see why with TORCH_LOGS=graph_breaks and change that line"))
+    if op == "aten.nonzero.default":  # the block ended before its use: HF's `expert_hit`, looped over next
+        fix += "; a Python loop over its result (`for e in expert_hit`) would break the graph next: loop over range(E)"
     if _takes_experts_implementation(frame.filename):
         fix = _TRANSFORMERS_FIX  # a library's own loop: choose its implementation rather than edit it
     code = f" (`{frame.line.strip()}`)" if frame.line else ""

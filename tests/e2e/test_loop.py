@@ -198,3 +198,57 @@ def test_loop_skipped_by_a_graph_break_is_reported_with_the_fix():
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         got = run_eager_and_compiled(model, (x,), fullgraph=False)
     assert got == {"rewritten": 1}
+
+
+class ExpertHitMoE(nn.Module):
+    """Hugging Face's eager experts: a loop over the experts hit (``nonzero`` of the routed counts), or, as the
+    report advises instead, over ``range(E)``."""
+
+    def __init__(self, over="hit", d=16, h=24, E=4, K=2):
+        super().__init__()
+        self.router = nn.Linear(d, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * h, d) / d**0.5)
+        self.down = nn.Parameter(torch.randn(E, d, h) / h**0.5)
+        self.over, self.E, self.K = over, E, K
+
+    def forward(self, x):
+        w, ids = F.softmax(self.router(x), dim=-1).topk(self.K, dim=-1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, self.E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in (hit[:, 0] if self.over == "hit" else range(self.E)):
+            k, tok = torch.where(mask[e])
+            gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(gate) * up, self.down[e]) * w[tok, k, None])
+        return out
+
+
+class TestExpertHitReports(expecttest.TestCase):
+    def _report(self, **dynamo_config):
+        torch.manual_seed(0)
+        before = len(moeblaze_fx.report.all_reports())
+        with torch._dynamo.config.patch(**dynamo_config):
+            got = run_eager_and_compiled(ExpertHitMoE(), (_x((10, 16)),), fullgraph=False)
+        assert got == {"skipped": 1}
+        return moeblaze_fx.report.format_table([r for g in moeblaze_fx.report.all_reports()[before:] for r in g])
+
+    def test_at_the_experts_hit(self):
+        """The block ends at ``nonzero``; the fix names the loop that would break the graph next."""
+        self.assertExpectedInline(self._report(), """\
+moeblaze: 0 of 1 MoE candidate(s) rewritten
+  [0] skipped   tests/e2e/test_loop.py:215  -
+      reason: Dynamo split this MoE block at tests/e2e/test_loop.py:218 (`hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()`): the output shape of aten.nonzero.default depends on the data, so the graph ends there and the experts run in other graphs. Set torch._dynamo.config.capture_dynamic_output_shape_ops = True (or compile with fullgraph=True), or use ops with static output shapes; a Python loop over its result (`for e in expert_hit`) would break the graph next: loop over range(E)""")
+
+    def test_at_the_loop_over_them(self):
+        """With the fix for ``nonzero``, Dynamo breaks at the loop over its result, which no setting traces: the report
+        says to loop over range(E)."""
+        self.assertExpectedInline(self._report(capture_dynamic_output_shape_ops=True), """\
+moeblaze: 0 of 1 MoE candidate(s) rewritten
+  [0] skipped   tests/e2e/test_loop.py:215  -
+      reason: Dynamo split this MoE block at tests/e2e/test_loop.py:219 (`for e in (hit[:, 0] if self.over == "hit" else range(self.E)):`): a Python loop over a tensor whose length depends on the data (the experts hit) cannot be traced, so the graph ends there and the experts run in other graphs. Loop over range(E) instead, each expert taking its rows with torch.where(ids == e) (an expert without rows then computes empty products), and set torch._dynamo.config.capture_dynamic_output_shape_ops = True (or compile with fullgraph=True) for the where""")
+
+
+def test_the_loop_over_range_e_the_report_advises_is_rewritten():
+    torch.manual_seed(0)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        assert run_eager_and_compiled(ExpertHitMoE("range"), (_x((10, 16)),), fullgraph=False) == {"rewritten": 1}
