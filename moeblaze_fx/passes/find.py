@@ -539,6 +539,16 @@ def _compile_reason(gm: fx.GraphModule):
     return reason if hasattr(reason, "graph_break") and hasattr(reason, "user_stack") else None
 
 
+def _break_advice(message: str) -> tuple[str, str, Optional[tuple[str, str]]]:
+    """Of Dynamo's message for a graph break: its kind (the first line), the operator it names ("" for none) and
+    :data:`_BREAK_ADVICE`'s (cause, fix) for either, or None."""
+    message = message.strip()
+    kind = message.splitlines()[0].strip()
+    op = re.search(r"Operator `([^`]+)`", message)
+    op = op.group(1) if op else ""
+    return kind, op, _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind)
+
+
 def _split_reason(compiled_because) -> str:
     """GRAPH_BREAK made specific: where Dynamo broke the graph, why, and what to change."""
     frames = [f for f in (compiled_because.user_stack if compiled_because else []) if f.filename]
@@ -546,13 +556,11 @@ def _split_reason(compiled_because) -> str:
     if not user:
         return GRAPH_BREAK
     frame = user[-1]
-    message = compiled_because.reason.strip()
-    kind = message.splitlines()[0].strip()
-    op = re.search(r"Operator `([^`]+)`", message)
-    op = op.group(1) if op else ""
-    cause, fix = _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind) or (
-        _LOOP_ADVICE if frame.line and frame.line.lstrip().startswith("for ") else (
-            f"Dynamo stopped tracing there ({kind})", "see why with TORCH_LOGS=graph_breaks and change that line"))
+    kind, op, advice = _break_advice(compiled_because.reason)
+    if advice is None and frame.line and frame.line.lstrip().startswith("for "):
+        advice = _LOOP_ADVICE
+    cause, fix = advice or (
+        f"Dynamo stopped tracing there ({kind})", "see why with TORCH_LOGS=graph_breaks and change that line")
     if op == "aten.nonzero.default":  # the block ended before its use: HF's `expert_hit`, looped over next
         fix += "; a Python loop over its result (`for e in expert_hit`) would break the graph next: loop over range(E)"
     if _takes_experts_implementation(frame.filename):
@@ -603,10 +611,8 @@ def skipped_moe_block(gm: fx.GraphModule) -> Optional[tuple[str, str]]:
 
 
 def _skipped_reason(message: str, name: str, filename: str, first: int) -> str:
-    kind = message.strip().splitlines()[0].strip()
-    op = re.search(r"Operator `([^`]+)`", message)
-    op = op.group(1) if op else ""
-    cause, fix = _BREAK_ADVICE.get(op) or _BREAK_ADVICE.get(kind) or (
+    kind, op, advice = _break_advice(message)
+    cause, fix = advice or (
         f"Dynamo stopped tracing there ({kind})", "see where with TORCH_LOGS=graph_breaks and change that line")
     return (f"Dynamo skipped the MoE block `{name}` at {short_path(f'{filename}:{first}')}: a graph break inside its "
             f"loop over the experts ({cause.format(op=op)}) makes Dynamo run the whole block eagerly, so this graph "
